@@ -1,0 +1,47 @@
+# The two commands users run are `make demo` and `make test`; both set everything up first, idempotently.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PIP := $(VENV)/bin/pip
+# Re-install only when the dependency pins change.
+VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+
+.PHONY: setup venv tools test lint demo cluster-up cluster-down bench clean
+
+setup: venv tools
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	@echo "==> python environment ($(VENV)); the first install downloads torch (several GB, kept in pip's cache)"
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade --progress-bar off "pip==26.0.1"
+	$(PIP) install --progress-bar off -e ".[server,operator,client,dev]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+tools:
+	@tests/cluster/build-tools.sh
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest
+
+demo: setup
+	$(VENV)/bin/python -m examples.demo
+
+cluster-up: setup
+	$(VENV)/bin/python -m tests.cluster up
+
+cluster-down: venv
+	$(VENV)/bin/python -m tests.cluster down
+
+bench: venv
+	@for b in bench/*.py; do echo "==> $$b"; $(VENV)/bin/python $$b || exit 1; done
+
+clean:
+	-$(VENV)/bin/python -m tests.cluster down
+	rm -rf .cache/cluster .pytest_cache
