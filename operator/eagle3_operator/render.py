@@ -1,0 +1,384 @@
+"""Pure rendering of an Eagle3Target's children (Deployment, Service, PodDisruptionBudget, PodMonitor).
+
+Every function here maps (name, namespace, typed spec) to plain manifest dicts and makes no API call, so the
+handlers can server-side apply the result as a whole and tests can check it without a cluster. Applying the
+full desired object every time is what repairs drift: a field the operator owns always comes back.
+"""
+
+import hashlib
+import math
+import re
+from typing import Any
+
+from eagle3_operator import __version__
+from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
+
+GROUP = "eagle3.dev"
+VERSION = "v1alpha1"
+PLURAL = "eagle3targets"
+KIND = "Eagle3Target"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{__version__}"
+CONTAINER_NAME = "server"
+PORT_NAME = "http"
+MODEL_MOUNT = "/models"
+AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
+# The image's non-root user; fsGroup makes a download cache PVC writable for it.
+RUN_AS_USER = 1000
+STARTUP_PERIOD_SECONDS = 10
+NAME_LIMIT = 63
+_HASH_LENGTH = 8
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+APP_NAME = "eagle3-target"
+MANAGER = "eagle3-operator"
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:_HASH_LENGTH]
+
+
+def _fit(text: str, limit: int = NAME_LIMIT) -> str:
+    """`text` if it is a DNS-1035 label within `limit`, else a readable prefix plus a hash of the whole.
+
+    Resource names are DNS subdomains (dots, leading digits, up to 253 characters) but Service names and label
+    values are not, so anything that does not fit as is gets a deterministic, collision-resistant stand-in.
+    """
+    if len(text) <= limit and _DNS_LABEL.match(text):
+        return text
+    readable = re.sub(r"[^a-z0-9-]", "-", text.lower())
+    if not readable[:1].isalpha():
+        readable = f"e3t-{readable}"
+    readable = readable[: limit - _HASH_LENGTH - 1].rstrip("-")
+    return f"{readable}-{_short_hash(text)}"
+
+
+def deployment_name(target_name: str) -> str:
+    return _fit(target_name)
+
+
+def service_name(target_name: str) -> str:
+    return _fit(target_name)
+
+
+def pdb_name(target_name: str) -> str:
+    return _fit(target_name)
+
+
+def pod_monitor_name(target_name: str) -> str:
+    return _fit(target_name)
+
+
+def selector_labels(target_name: str) -> dict[str, str]:
+    """Labels that pick a target's pods. Only the operator sets them: a Deployment's selector is immutable."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: _fit(target_name)}
+
+
+def label_selector(target_name: str) -> str:
+    """`selector_labels` as the string `status.selector` publishes (the scale subresource reads it)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(target_name).items()))
+
+
+def _labels(target_name: str) -> dict[str, str]:
+    return {
+        **selector_labels(target_name),
+        LABEL_COMPONENT: "target-server",
+        LABEL_MANAGED_BY: MANAGER,
+    }
+
+
+def owner_reference(target_name: str, uid: str) -> dict[str, Any]:
+    """The controller reference every child carries, so deleting the target deletes them."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": target_name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(child_name: str, target_name: str, namespace: str, owner: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": child_name,
+        "namespace": namespace,
+        "labels": _labels(target_name),
+        "ownerReferences": [dict(owner)],
+    }
+
+
+def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:
+    """The stable URL published in status: the external endpoint, or the Service's cluster DNS name."""
+    if spec.endpoint is not None:
+        return spec.endpoint.url.rstrip("/")
+    return f"http://{service_name(name)}.{namespace}.svc:{spec.port}"
+
+
+def _hf_revision(spec: Eagle3TargetSpec) -> str:
+    source = spec.model.source.hugging_face
+    return source.revision or spec.model.revision or "main"
+
+
+def _hf_model_dir(spec: Eagle3TargetSpec) -> str:
+    """Where the download lands in the cache PVC: one directory per repo and revision, so they never mix."""
+    source = spec.model.source.hugging_face
+    return f"{MODEL_MOUNT}/huggingface/{source.repo}/{_hf_revision(spec).replace('/', '--')}"
+
+
+def model_path(spec: Eagle3TargetSpec) -> str:
+    """The `--model` path inside the server container."""
+    if spec.model.source.hugging_face is not None:
+        return _hf_model_dir(spec)
+    return MODEL_MOUNT
+
+
+def server_args(spec: Eagle3TargetSpec) -> list[str]:
+    """The `eagle3-target serve` command line the spec asks for."""
+    model = spec.model
+    args = ["eagle3-target", "serve", "--model", model_path(spec), "--engine", spec.engine]
+    args += ["--host", "0.0.0.0", "--port", str(spec.port)]
+    if model.dtype is not None:
+        args += ["--dtype", model.dtype]
+    if spec.aux_layer_ids is not None:
+        args += ["--aux-layer-ids", *(str(layer) for layer in spec.aux_layer_ids)]
+    if spec.engine == "vllm":
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.max_model_len is not None:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    for key, value in sorted(spec.engine_args.items()):
+        args += ["--engine-arg", f"{key}={value}"]
+    if spec.auth is not None:
+        args += ["--auth-token-file", f"{AUTH_MOUNT}/{spec.auth.token_secret_ref.key}"]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+def _resources(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    requests = dict(spec.resources.requests)
+    limits = dict(spec.resources.limits)
+    if spec.tensor_parallel_size > 0:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = spec.tensor_parallel_size
+    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model volume and the server's read-only mount of it, per source."""
+    source = spec.model.source
+    mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if source.pvc is not None:
+        claim = {"claimName": source.pvc.claim_name, "readOnly": True}
+        volume = {"name": "model", "persistentVolumeClaim": claim}
+        if source.pvc.sub_path:
+            mount["subPath"] = source.pvc.sub_path
+    elif source.host_path is not None:
+        volume = {"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
+    else:
+        claim = {"claimName": source.hugging_face.cache_claim_name}
+        volume = {"name": "model", "persistentVolumeClaim": claim}
+    return volume, mount
+
+
+def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
+    """Init container that fills the cache PVC from the Hugging Face Hub; a no-op when the files are there."""
+    source = spec.model.source.hugging_face
+    env = [
+        {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if source.token_secret_ref is not None:
+        ref = source.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return {
+        "name": "download-model",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        # original/ holds the checkpoint again in Meta's format, which transformers and vLLM never read.
+        "command": [
+            *("hf", "download", source.repo, "--revision", _hf_revision(spec)),
+            *("--local-dir", _hf_model_dir(spec), "--exclude", "original/*"),
+        ],
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "securityContext": _container_security(),
+    }
+
+
+def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    image = spec.image or DEFAULT_IMAGE
+    model_volume, model_mount = _model_volume(spec)
+    volumes = [model_volume, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [model_mount, {"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.auth is not None:
+        volumes.append({"name": "auth", "secret": {"secretName": spec.auth.token_secret_ref.name}})
+        mounts.append({"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    container = {
+        "name": CONTAINER_NAME,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": server_args(spec),
+        # The model is already local; this keeps transformers from reaching for the Hub at load time.
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        "startupProbe": _probe(
+            "/readyz",
+            period=STARTUP_PERIOD_SECONDS,
+            failures=math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_SECONDS),
+        ),
+        "readinessProbe": _probe("/readyz", period=5, failures=3),
+        "livenessProbe": _probe("/healthz", period=10, failures=6),
+        "securityContext": _container_security(),
+    }
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        # The server never talks to the API server, and service-link variables could shadow its
+        # EAGLE3_TARGET_* settings (a Service named eagle3-target yields EAGLE3_TARGET_PORT).
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            # Model volumes hold hundreds of GB; never chown them recursively on every start.
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.model.source.hugging_face is not None:
+        pod["initContainers"] = [_download_container(spec, image)]
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.affinity:
+        pod["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod["priorityClassName"] = spec.priority_class_name
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    return pod
+
+
+def build_deployment(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+) -> dict[str, Any]:
+    """One pod per replica. Updates replace pods one at a time without surging: GPUs are the constraint."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(deployment_name(name), name, namespace, owner),
+        "spec": {
+            "replicas": spec.effective_replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "revisionHistoryLimit": 3,
+            # Past the startup budget plus scheduling slack the Deployment reports ProgressDeadlineExceeded.
+            "progressDeadlineSeconds": spec.startup_timeout_seconds + 300,
+            "template": {
+                "metadata": {
+                    "labels": _labels(name),
+                    "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+                },
+                "spec": _pod_spec(spec),
+            },
+        },
+    }
+
+
+def build_service(name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(service_name(name), name, namespace, owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {
+                    "name": PORT_NAME,
+                    "port": spec.port,
+                    "targetPort": PORT_NAME,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                }
+            ],
+        },
+    }
+
+
+def build_pdb(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Evictions take one replica at a time; for a single replica a budget would only block node drains."""
+    if spec.effective_replicas < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(pdb_name(name), name, namespace, owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def build_pod_monitor(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A prometheus-operator PodMonitor on the server's /metrics (which needs no token), when asked for."""
+    monitor = spec.monitoring.pod_monitor
+    if not monitor.enabled:
+        return None
+    metadata = _metadata(pod_monitor_name(name), name, namespace, owner)
+    metadata["labels"] = {**monitor.labels, **metadata["labels"]}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata,
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "podMetricsEndpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": monitor.interval}],
+        },
+    }
+
+
+def build_children(
+    name: str, namespace: str, uid: str, spec: Eagle3TargetSpec, *, pod_monitor_supported: bool
+) -> list[dict[str, Any]]:
+    """Everything the target should own now; an owned kind missing from the list should be deleted."""
+    if spec.external:
+        return []
+    owner = owner_reference(name, uid)
+    children = [build_deployment(name, namespace, spec, owner), build_service(name, namespace, spec, owner)]
+    optional = [build_pdb(name, namespace, spec, owner)]
+    if pod_monitor_supported:
+        optional.append(build_pod_monitor(name, namespace, spec, owner))
+    return children + [child for child in optional if child is not None]
