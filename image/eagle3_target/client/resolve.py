@@ -1,0 +1,287 @@
+"""Find a served target by its `Eagle3Target` name: read status, wait for Ready, say where to connect.
+
+A status only counts once the operator has observed the current spec (status.observedGeneration and the Ready
+condition's observedGeneration both equal metadata.generation); otherwise a training job could start against
+the previous model right after someone edited the resource.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes import watch as k8s_watch
+from kubernetes.client.rest import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from eagle3_target.client.errors import (
+    ResolveError,
+    ResolveTimeout,
+    TargetAccessForbidden,
+    TargetCRDMissing,
+    TargetNotFound,
+)
+
+IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# Used only while the watch itself is forbidden (a role granting get but not watch).
+POLL_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class TargetResource:
+    """Where the Eagle3Target API lives; a parameter so other (or absent) API versions can be addressed."""
+
+    group: str = "eagle3.dev"
+    version: str = "v1alpha1"
+    plural: str = "eagle3targets"
+
+
+EAGLE3_TARGET = TargetResource()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """status.model: what the pods' /v1/info reported, as the operator published it."""
+
+    name: str | None = None
+    revision: str | None = None
+    dtype: str | None = None
+    engine: str | None = None
+    num_hidden_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    aux_layer_ids: tuple[int, ...] = ()
+    fingerprint: str | None = None
+
+    @classmethod
+    def from_status(cls, model: dict[str, Any]) -> ModelInfo:
+        return cls(
+            name=model.get("name"),
+            revision=model.get("revision"),
+            dtype=model.get("dtype"),
+            engine=model.get("engine"),
+            num_hidden_layers=model.get("numHiddenLayers"),
+            hidden_size=model.get("hiddenSize"),
+            vocab_size=model.get("vocabSize"),
+            aux_layer_ids=tuple(model.get("auxLayerIds") or ()),
+            fingerprint=model.get("fingerprint"),
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A Ready target: its Service URL, the addresses of its ready pods and the model they serve."""
+
+    name: str
+    namespace: str
+    generation: int
+    url: str | None
+    endpoints: tuple[str, ...]
+    model: ModelInfo = field(default_factory=ModelInfo)
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self.model.fingerprint
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Where to send requests: the ready pods directly (client-side balancing), else the Service URL."""
+        if self.endpoints:
+            return self.endpoints
+        return (self.url,) if self.url else ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"fingerprint": self.fingerprint}
+
+
+def api_client_from_environment(kubeconfig: str | None = None) -> tuple[k8s.ApiClient, str]:
+    """A client and its default namespace: given kubeconfig, else in-cluster, else the default kubeconfig."""
+    configuration = k8s.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+            return k8s.ApiClient(configuration), IN_CLUSTER_NAMESPACE_FILE.read_text().strip()
+        except (ConfigException, OSError):
+            pass  # Not actually a pod (or no service account mounted): use a kubeconfig.
+    try:
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        _, active = k8s_config.list_kube_config_contexts(config_file=kubeconfig)
+    except (ConfigException, OSError) as exc:
+        raise ResolveError(
+            f"no Kubernetes credentials: not in a pod and no usable kubeconfig ({exc})"
+        ) from exc
+    namespace = (active or {}).get("context", {}).get("namespace") or "default"
+    return k8s.ApiClient(configuration), namespace
+
+
+def find_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
+
+
+def readiness(obj: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a snapshot of the resource is Ready for its current generation, and if not, why."""
+    generation = obj.get("metadata", {}).get("generation")
+    status = obj.get("status") or {}
+    ready = find_condition(status, "Ready")
+    if ready is None:
+        return False, f"no Ready condition yet (phase {status.get('phase')!r})"
+    state = f"Ready={ready.get('status')} reason={ready.get('reason')!r} message={ready.get('message')!r}"
+    if status.get("observedGeneration") != generation:
+        return False, (
+            f"status is stale: status.observedGeneration={status.get('observedGeneration')} but "
+            f"metadata.generation={generation} (last {state})"
+        )
+    if ready.get("observedGeneration") != generation:
+        return False, (
+            f"Ready condition is stale: its observedGeneration={ready.get('observedGeneration')} but "
+            f"metadata.generation={generation} (last {state})"
+        )
+    if ready.get("status") != "True":
+        return False, state
+    if not resolved_from(obj).urls:
+        return False, "Ready but neither status.url nor a ready endpoint is published"
+    return True, state
+
+
+def resolved_from(obj: dict[str, Any]) -> ResolvedTarget:
+    status = obj.get("status") or {}
+    endpoints = tuple(
+        e["address"] for e in status.get("endpoints") or [] if e.get("ready") and e.get("address")
+    )
+    return ResolvedTarget(
+        name=obj["metadata"]["name"],
+        namespace=obj["metadata"]["namespace"],
+        generation=obj["metadata"].get("generation", 0),
+        url=status.get("url"),
+        endpoints=endpoints,
+        model=ModelInfo.from_status(status.get("model") or {}),
+    )
+
+
+def resolve(
+    name: str,
+    namespace: str | None = None,
+    wait: float = 300.0,
+    *,
+    kubeconfig: str | None = None,
+    api_client: k8s.ApiClient | None = None,
+    resource: TargetResource = EAGLE3_TARGET,
+) -> ResolvedTarget:
+    """Return the Ready target `name`, waiting up to `wait` seconds (0: check once) for it to become Ready.
+
+    Raises TargetNotFound, TargetCRDMissing, TargetAccessForbidden or ResolveTimeout (naming the last reason).
+    """
+    if api_client is None:
+        api_client, default_namespace = api_client_from_environment(kubeconfig)
+    else:
+        default_namespace = "default"
+    namespace = namespace or default_namespace
+    api = k8s.CustomObjectsApi(api_client)
+    deadline = time.monotonic() + max(wait, 0.0)
+    watch_allowed = True
+    while True:
+        obj = _get(api, resource, name, namespace)
+        ready, why = readiness(obj)
+        if ready:
+            return resolved_from(obj)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ResolveTimeout(f"{resource.plural}/{name} in {namespace} not Ready after {wait:g}s: {why}")
+        if watch_allowed:
+            found, watch_allowed = _watch_until_ready(api, resource, obj, remaining)
+            if found is not None:
+                return found
+        else:
+            time.sleep(min(POLL_INTERVAL_S, remaining))
+
+
+def _get(api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespace: str) -> dict[str, Any]:
+    try:
+        return api.get_namespaced_custom_object(
+            resource.group, resource.version, namespace, resource.plural, name
+        )
+    except ApiException as exc:
+        raise _classify(api, resource, name, namespace, exc) from exc
+
+
+def _classify(
+    api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespace: str, exc: ApiException
+) -> ResolveError:
+    """Turn an API error into the class a caller acts on (create the target, install the CRD, fix RBAC)."""
+    if exc.status in (401, 403):
+        return TargetAccessForbidden(
+            f"not allowed to read {resource.plural}.{resource.group}/{name} in namespace {namespace!r}: "
+            f"HTTP {exc.status} {_api_message(exc)}"
+        )
+    if exc.status == 404:
+        if not _api_served(api, resource):
+            return TargetCRDMissing(
+                f"the cluster does not serve {resource.plural}.{resource.group}/{resource.version}: "
+                "is the Eagle3Target CRD installed?"
+            )
+        return TargetNotFound(
+            f"{resource.plural}.{resource.group} {name!r} not found in namespace {namespace!r}"
+        )
+    return ResolveError(
+        f"reading {resource.plural}/{name} in {namespace!r} failed: HTTP {exc.status} {exc.reason}"
+    )
+
+
+def _api_served(api: k8s.CustomObjectsApi, resource: TargetResource) -> bool:
+    try:
+        served = api.get_api_resources(resource.group, resource.version)
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return any(r.name == resource.plural for r in served.resources)
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body).get("message", exc.reason)
+    except (TypeError, ValueError):
+        return str(exc.reason)
+
+
+def _watch_until_ready(
+    api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any], remaining: float
+) -> tuple[ResolvedTarget | None, bool]:
+    """Watch one object from the snapshot's resourceVersion: (target if Ready, whether watching works)."""
+    meta = obj["metadata"]
+    watcher = k8s_watch.Watch()
+    try:
+        for event in watcher.stream(
+            api.list_namespaced_custom_object,
+            resource.group,
+            resource.version,
+            meta["namespace"],
+            resource.plural,
+            field_selector=f"metadata.name={meta['name']}",
+            resource_version=meta.get("resourceVersion"),
+            timeout_seconds=max(1, int(remaining)),
+            _request_timeout=remaining + 5,
+        ):
+            kind, current = event["type"], event["object"]
+            if kind == "DELETED":
+                raise TargetNotFound(
+                    f"{resource.plural} {meta['name']!r} was deleted while waiting for Ready"
+                )
+            if kind in ("ADDED", "MODIFIED") and readiness(current)[0]:
+                return resolved_from(current), True
+            if kind == "ERROR":
+                break  # e.g. the resourceVersion expired: re-read and watch again.
+    except ApiException as exc:
+        if exc.status == 403:
+            return None, False
+        if exc.status != 410:
+            raise
+    finally:
+        watcher.stop()
+    return None, True

@@ -1,0 +1,345 @@
+"""`TargetClient`: pull EAGLE-3 supervision from one or more target servers, the way a trainer needs it.
+
+Every supervision request is idempotent (a pure function of the batch and the target's fingerprint), so a
+request that fails on one endpoint is simply sent again to another: the caller gets each batch exactly once,
+from whichever replica answered, and a checked fingerprint guarantees all answers come from the same model.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import httpx
+import torch
+from torch import Tensor
+
+from eagle3_target.client.endpoints import EndpointPool
+from eagle3_target.client.errors import FingerprintChanged, RequestRejected, ResolveError, TargetUnavailable
+from eagle3_target.client.prefetch import prefetch
+from eagle3_target.client.resolve import ResolvedTarget, api_client_from_environment, resolve
+from eagle3_target.client.supervision import NEEDS_VOCAB, batch_from_supervision
+from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
+from eagle3_target.wire.tensors import decode, encode
+
+RETRYABLE_STATUS = (429, 503)
+WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
+
+
+class TargetClient:
+    """A keep-alive HTTP client over a target's ready endpoints, with retries, fail-over and prefetch.
+
+    Build it from URLs (`TargetClient(["http://10.0.0.5:8000"])`) or from an `Eagle3Target` name
+    (`TargetClient.from_target("llama-8b", namespace="training")`), which also re-reads the endpoints from the
+    resource while running. It is safe to use from several threads.
+    """
+
+    def __init__(
+        self,
+        urls: str | Iterable[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        max_attempts: int = 10,
+        give_up_after_s: float = 300.0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        allow_fingerprint_change: bool = False,
+        refresh: Callable[[], ResolvedTarget] | None = None,
+        refresh_interval_s: float = 30.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.pool = EndpointPool([urls] if isinstance(urls, str) else urls, backoff_initial_s, backoff_max_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # trust_env=False: the endpoints are in-cluster peers, never to be reached through an ambient proxy.
+        self._http = httpx.Client(
+            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)), trust_env=False
+        )
+        self.max_attempts = max_attempts
+        self.give_up_after_s = give_up_after_s
+        self.allow_fingerprint_change = allow_fingerprint_change
+        self.device = torch.device(device)
+        self.stats: Counter[str] = (
+            Counter()
+        )  # What happened on the wire: requests, retries by cause, refreshes.
+        self._refresh = refresh
+        self._refresh_interval_s = refresh_interval_s
+        self._last_refresh = time.monotonic()
+        self._lock = threading.RLock()
+        self._fingerprint: str | None = None
+        self._info: dict[str, Any] | None = None
+        self._weights: dict[str, Tensor] = {}
+        self._vocabs: dict[str, VocabMapping] = {}
+
+    @classmethod
+    def from_target(
+        cls,
+        name: str,
+        namespace: str | None = None,
+        *,
+        wait: float = 300.0,
+        kubeconfig: str | None = None,
+        **kwargs: Any,
+    ) -> TargetClient:
+        """Resolve the `Eagle3Target` (waiting for Ready), then follow its endpoints as they change."""
+        api_client, default_namespace = api_client_from_environment(kubeconfig)
+        namespace = namespace or default_namespace
+        target = resolve(name, namespace, wait, api_client=api_client)
+
+        def refresh() -> ResolvedTarget:
+            return resolve(name, namespace, wait=0, api_client=api_client)
+
+        client = cls(target.urls, refresh=refresh, **kwargs)
+        client._check_fingerprint(target.fingerprint, f"{namespace}/{name} status")
+        return client
+
+    def __enter__(self) -> TargetClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the connections. Servers are not told to shut down: they serve other trainers too."""
+        self._http.close()
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The fingerprint every answer so far carried (None before the first contact)."""
+        return self._fingerprint
+
+    # --- what the server knows -------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """GET /v1/info from some endpoint (cached): model, layers, sizes, aux ids, fingerprint."""
+        with self._lock:
+            if self._info is not None:
+                return self._info
+        response = self._request("GET", "/v1/info")
+        info = response.json()
+        self._check_fingerprint(info.get("fingerprint"), str(response.url))
+        with self._lock:
+            self._info = info
+        return info
+
+    def weight(self, name: str) -> Tensor:
+        """GET /v1/weights/{name} once per fingerprint: `input_embeddings`, `lm_head` or `final_norm`."""
+        if name not in WEIGHT_NAMES:
+            raise ValueError(f"unknown weight {name!r}; expected one of {WEIGHT_NAMES}")
+        with self._lock:
+            if name in self._weights:
+                return self._weights[name]
+        tensors = self._decode(self._request("GET", f"/v1/weights/{name}"))
+        weight = tensors["weight"].to(self.device)
+        with self._lock:
+            self._weights[name] = weight
+        return weight
+
+    def register_vocab(self, mapping: VocabMapping) -> str:
+        """Key the draft vocabulary by its digest; each server is sent it lazily (again after restarts)."""
+        digest = mapping.digest()
+        with self._lock:
+            self._vocabs[digest] = mapping
+        return digest
+
+    # --- supervision -----------------------------------------------------------------------------------
+
+    def supervise(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        format: str = "hidden",
+        vocab: str | VocabMapping | None = None,
+        dtype: str | None = None,
+    ) -> dict[str, Tensor]:
+        """The raw, unshifted tensors of one format for the batch (see DESIGN §3's format table)."""
+        if isinstance(vocab, VocabMapping):
+            vocab = self.register_vocab(vocab)
+        if format in NEEDS_VOCAB and vocab is None:
+            raise ValueError(f"format {format!r} needs a draft vocabulary: pass vocab= (a VocabMapping)")
+        tensors = {"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous()}
+        if attention_mask is not None:
+            tensors["attention_mask"] = attention_mask.detach().to("cpu", torch.int64).contiguous()
+        params = (
+            {"format": format} | ({"vocab": vocab} if vocab else {}) | ({"dtype": dtype} if dtype else {})
+        )
+        body = encode(tensors)
+        response = self._request("POST", "/v1/supervision", params=params, content=body, vocab=vocab)
+        return {k: v.to(self.device) for k, v in self._decode(response).items()}
+
+    def batch(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        loss_mask: Tensor,
+        format: str = "hidden",
+        mapping: VocabMapping | None = None,
+    ) -> Eagle3TargetBatch:
+        """The trainer's batch, identical to the in-process HF backend's (`contract.build_batch`).
+
+        `hidden` ships the final hidden state and applies the LM head here; `draft` and `probs` need the draft
+        `mapping` and rebuild `target_probs` + `position_mask`; `logits` ships the full logits.
+        """
+        raw = self.supervise(
+            input_ids, attention_mask, format=format, vocab=mapping if format in NEEDS_VOCAB else None
+        )
+        lm_head = self.weight("lm_head") if format == "hidden" else None
+        device = self.device
+        return batch_from_supervision(
+            format,
+            raw,
+            input_ids.to(device),
+            attention_mask.to(device),
+            loss_mask.to(device),
+            mapping=mapping,
+            lm_head=lm_head,
+        )
+
+    def prefetch(
+        self,
+        batches: Iterable[Mapping[str, Tensor] | tuple[Tensor, Tensor, Tensor]],
+        format: str = "hidden",
+        mapping: VocabMapping | None = None,
+        depth: int = 2,
+    ) -> Iterator[Eagle3TargetBatch]:
+        """`batch()` for each (input_ids, attention_mask, loss_mask), `depth` ahead, yielded in order."""
+
+        def fetch(item: Mapping[str, Tensor] | tuple[Tensor, Tensor, Tensor]) -> Eagle3TargetBatch:
+            if isinstance(item, Mapping):
+                item = (item["input_ids"], item["attention_mask"], item["loss_mask"])
+            return self.batch(*item, format=format, mapping=mapping)
+
+        return prefetch(fetch, batches, depth)
+
+    def as_target_runner(self) -> Any:
+        """NeMo AutoModel's `TargetRunner` surface over this client (see `runner_adapter`)."""
+        from eagle3_target.client.runner_adapter import RemoteTargetRunner
+
+        return RemoteTargetRunner(self)
+
+    # --- the request loop ------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, *, vocab: str | None = None, **kwargs: Any) -> httpx.Response:
+        """Send until an endpoint answers 2xx: fail over on connection errors, 429 and 503, with back-off."""
+        started = time.monotonic()
+        last_problem = "no attempt made"
+        for attempt in range(self.max_attempts):
+            self._maybe_refresh(force=attempt > 0 and self.pool.all_cooling())
+            url, wait = self.pool.pick()
+            remaining = self.give_up_after_s - (time.monotonic() - started)
+            if wait > remaining:
+                break
+            if wait > 0:
+                time.sleep(wait)
+            self.stats["requests"] += 1
+            try:
+                response = self._send(method, url, path, vocab, kwargs)
+            except httpx.TransportError as exc:
+                self.stats["connection_errors"] += 1
+                last_problem = f"{url}: {type(exc).__name__}: {exc}"
+                self.pool.failed(url)
+                continue
+            if response.status_code in RETRYABLE_STATUS:
+                self.stats[f"status_{response.status_code}"] += 1
+                last_problem = f"{url}: HTTP {response.status_code} {_error_text(response)}"
+                self.pool.failed(url, _retry_after_s(response))
+                continue
+            if response.status_code >= 400:
+                raise RequestRejected(response.status_code, _error_type(response), _error_text(response))
+            self.pool.succeeded(url)
+            return response
+        raise TargetUnavailable(
+            f"{method} {path} failed on every endpoint of {list(self.pool.urls)} after "
+            f"{self.stats['requests']} requests; last: {last_problem}"
+        )
+
+    def _send(
+        self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]
+    ) -> httpx.Response:
+        """One attempt on one endpoint; teaches it the draft vocabulary first if it does not know it yet."""
+        response = self._http.request(method, url + path, **kwargs)
+        mapping = self._vocabs.get(vocab) if vocab else None
+        if response.status_code == 404 and mapping is not None and _error_type(response) == "not_found":
+            # A restarted or newly added replica: register the mapping and send the same batch again.
+            self.stats["vocab_registrations"] += 1
+            body = encode({"selected_token_ids": mapping.selected_token_ids.cpu().contiguous()})
+            registered = self._http.put(f"{url}/v1/vocab-mappings/{vocab}", content=body)
+            if registered.status_code >= 400:
+                return registered
+            response = self._http.request(method, url + path, **kwargs)
+        return response
+
+    def _decode(self, response: httpx.Response) -> dict[str, Tensor]:
+        tensors, metadata = decode(response.content)
+        fingerprint = (metadata or {}).get("fingerprint")
+        if fingerprint is not None:
+            self._check_fingerprint(fingerprint, str(response.url))
+        return tensors
+
+    def _check_fingerprint(self, fingerprint: str | None, source: str) -> None:
+        """Pin the first fingerprint seen; a different one later is a different target."""
+        if fingerprint is None:
+            return
+        with self._lock:
+            if self._fingerprint is None or self._fingerprint == fingerprint:
+                self._fingerprint = fingerprint
+                return
+            if not self.allow_fingerprint_change:
+                raise FingerprintChanged(self._fingerprint, fingerprint, source)
+            # Accepted change: everything cached about the old target is now wrong.
+            self.stats["fingerprint_changes"] += 1
+            self._fingerprint = fingerprint
+            self._info = None
+            self._weights.clear()
+
+    def _maybe_refresh(self, force: bool) -> None:
+        """Re-read the endpoints from the resource every refresh interval, or at once when all are failing."""
+        if self._refresh is None:
+            return
+        with self._lock:
+            due = time.monotonic() - self._last_refresh >= self._refresh_interval_s
+            if not (force or due):
+                return
+            self._last_refresh = time.monotonic()
+        try:
+            target = self._refresh()
+        except ResolveError:
+            self.stats["refresh_failures"] += 1
+            return  # Not Ready right now: keep trying the endpoints we know.
+        self.stats["refreshes"] += 1
+        self._check_fingerprint(target.fingerprint, f"{target.namespace}/{target.name} status")
+        if target.urls:
+            self.pool.replace(target.urls)
+
+
+def _error_type(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["type"])
+    except (ValueError, KeyError, TypeError):
+        return "http_error"
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """Retry-After as seconds (delta-seconds or an HTTP date), or None when absent or unreadable."""
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
