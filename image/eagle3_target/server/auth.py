@@ -1,0 +1,56 @@
+"""Optional bearer-token check (``--auth-token-file``), as pure ASGI middleware.
+
+Probes and the metrics scrape stay open so kubelet and Prometheus need no secret. The comparison is
+constant-time so response timing leaks nothing about the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from eagle3_target.server.errors import error_response
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path``, surrounding whitespace removed (Secrets mounted as files end with newlines)."""
+    token = path.read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries exactly ``Bearer <token>``."""
+    if not authorization:
+        return False
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(presented.strip().encode(), token.encode())
+
+
+class BearerAuthMiddleware:
+    """Rejects requests without the right bearer token with 401 before any route runs."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        if bearer_matches(authorization, self.token):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(
+            401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+        )
+        await response(scope, receive, send)

@@ -1,0 +1,80 @@
+"""The ``eagle3-target serve`` command: flags (or ``EAGLE3_TARGET_*`` env) to settings, then uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ENV = "EAGLE3_TARGET_"
+# Keep idle keep-alive connections open across long training steps: NeMo's client holds one session per
+# server and its vocab mapping is bound to that connection (uvicorn's default would drop it after 5 s).
+KEEP_ALIVE_SECONDS = 600
+
+
+def serve(
+    model: Annotated[str, typer.Option(envvar=ENV + "MODEL", help="Local model directory.")],
+    engine: Annotated[str, typer.Option(envvar=ENV + "ENGINE", help="vllm or hf.")] = "vllm",
+    dtype: Annotated[
+        str, typer.Option(envvar=ENV + "DTYPE", help="Model dtype: auto, bfloat16, float32...")
+    ] = "auto",
+    aux_layer_ids: Annotated[
+        tuple[int, int, int] | None,
+        typer.Option(envvar=ENV + "AUX_LAYER_IDS", help="Three HF aux layer ids; default [1, L//2-1, L-4]."),
+    ] = None,
+    tensor_parallel_size: Annotated[int, typer.Option(envvar=ENV + "TENSOR_PARALLEL_SIZE")] = 1,
+    max_model_len: Annotated[int | None, typer.Option(envvar=ENV + "MAX_MODEL_LEN")] = None,
+    engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(envvar=ENV + "ENGINE_ARGS", help="Extra engine argument KEY=VALUE (repeatable)."),
+    ] = None,
+    host: Annotated[str, typer.Option(envvar=ENV + "HOST")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(envvar=ENV + "PORT")] = 8000,
+    max_batch_tokens: Annotated[int, typer.Option(envvar=ENV + "MAX_BATCH_TOKENS")] = 32768,
+    max_queue: Annotated[int, typer.Option(envvar=ENV + "MAX_QUEUE")] = 64,
+    auth_token_file: Annotated[Path | None, typer.Option(envvar=ENV + "AUTH_TOKEN_FILE")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(envvar=ENV + "TRUST_REMOTE_CODE")] = False,
+    model_name: Annotated[
+        str | None, typer.Option(envvar=ENV + "MODEL_NAME", help="Name in /v1/info.")
+    ] = None,
+    revision: Annotated[
+        str | None, typer.Option(envvar=ENV + "REVISION", help="Revision in /v1/info.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(envvar=ENV + "LOG_LEVEL")] = "INFO",
+) -> None:
+    """Serve a frozen target model's EAGLE-3 supervision over HTTP."""
+    import uvicorn
+
+    from eagle3_target.server.app import create_app
+    from eagle3_target.server.logs import configure_json_logging
+    from eagle3_target.server.settings import ServerSettings, parse_engine_args
+
+    try:
+        settings = ServerSettings(
+            model=model,
+            engine=engine,
+            dtype=dtype,
+            aux_layer_ids=aux_layer_ids,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            engine_args=parse_engine_args(engine_arg or []),
+            host=host,
+            port=port,
+            max_batch_tokens=max_batch_tokens,
+            max_queue=max_queue,
+            auth_token_file=auth_token_file,
+            trust_remote_code=trust_remote_code,
+            model_name=model_name,
+            revision=revision,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    configure_json_logging(log_level.upper())
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
+    )

@@ -1,0 +1,86 @@
+"""The server's error contract (DESIGN §3): every failure is JSON ``{"error": {"type", "message"}}``.
+
+Handlers raise an ``ApiError`` subclass; one exception handler renders it. Framework errors (unknown route,
+wrong method, FastAPI validation) and unexpected exceptions are rendered the same way, so a client never has
+to parse HTML or plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and a stable machine-readable type."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class BadRequest(ApiError):
+    status, type = 400, "bad_request"
+
+
+class Unauthorized(ApiError):
+    status, type = 401, "unauthorized"
+
+
+class NotFound(ApiError):
+    status, type = 404, "not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status, type = 413, "payload_too_large"
+
+
+class Unprocessable(ApiError):
+    status, type = 422, "invalid_input"
+
+
+class QueueFull(ApiError):
+    status, type = 429, "queue_full"
+
+
+class NotReady(ApiError):
+    status, type = 503, "not_ready"
+
+
+def error_response(
+    status: int, type_: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception the app can raise into the JSON error shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.type, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return error_response(422, "invalid_input", reasons)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")

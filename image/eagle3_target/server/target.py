@@ -1,0 +1,208 @@
+"""The loaded target: runner, published facts, the start-up canary and the per-request engine computations.
+
+Everything here runs on the engine worker thread (or the loader thread before it); the HTTP layer only
+validates, enqueues and encodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import eagle3_target
+from eagle3_target import formats
+from eagle3_target.contract import VocabMapping, build_batch
+from eagle3_target.runners import TargetRunner, check_inputs, load_runner, model_info
+from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
+from eagle3_target.server.fingerprint import model_fingerprint
+from eagle3_target.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, Tensor]
+CANARY_TOKENS = 8
+
+
+class CanaryError(RuntimeError):
+    """The model loaded but its first forward produced output that cannot be right."""
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    runner: TargetRunner
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    fingerprint: str
+    info: dict[str, object]
+
+
+def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
+    """Engine-specific keyword arguments: vLLM takes TP and context length; HF runs one process."""
+    if settings.engine == "hf":
+        if settings.tensor_parallel_size != 1:
+            raise ValueError("the hf engine runs on one device: --tensor-parallel-size must be 1")
+        return dict(settings.engine_args)
+    extra: dict[str, object] = {"tensor_parallel_size": settings.tensor_parallel_size}
+    if settings.max_model_len is not None:
+        extra["max_model_len"] = settings.max_model_len
+    return {**extra, **settings.engine_args}
+
+
+def run_canary(runner: TargetRunner, *, hidden_size: int, vocab_size: int) -> None:
+    """One short forward whose output must be finite, shaped per the config, with non-zero aux layers."""
+    input_ids = (torch.arange(CANARY_TOKENS, dtype=torch.int64) * 7919 % vocab_size).unsqueeze(0)
+    with torch.inference_mode():
+        logits, aux = runner.forward_eagle3(input_ids, torch.ones_like(input_ids))
+    if tuple(logits.shape) != (1, CANARY_TOKENS, vocab_size):
+        raise CanaryError(
+            f"canary logits have shape {tuple(logits.shape)}, expected (1, {CANARY_TOKENS}, {vocab_size})"
+        )
+    if tuple(aux.shape) != (1, CANARY_TOKENS, 3 * hidden_size):
+        raise CanaryError(
+            f"canary aux has shape {tuple(aux.shape)}, expected (1, {CANARY_TOKENS}, {3 * hidden_size})"
+        )
+    if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(aux).all()):
+        raise CanaryError("canary forward produced non-finite values")
+    for i, layer in enumerate(aux.split(hidden_size, dim=-1)):
+        if not bool(layer.any()):
+            raise CanaryError(f"canary aux layer {runner.aux_layer_ids[i]} is all zeros")
+
+
+def load_target(settings: ServerSettings) -> LoadedTarget:
+    """Load the runner, run the canary and compute the published identity. Slow: runs off the event loop."""
+    runner = load_runner(
+        settings.engine,
+        settings.model,
+        dtype=settings.dtype,
+        aux_layer_ids=list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
+        trust_remote_code=settings.trust_remote_code,
+        **engine_kwargs(settings),
+    )
+    facts = model_info(runner)
+    run_canary(runner, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size)
+    config = runner.model.config
+    max_len = settings.max_model_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
+    dtype_name = str(facts.dtype).removeprefix("torch.")
+    aux_ids = list(runner.aux_layer_ids)
+    fingerprint = model_fingerprint(
+        settings.model,
+        model_name=settings.display_name,
+        revision=settings.revision,
+        dtype=dtype_name,
+        engine=settings.engine,
+        aux_layer_ids=aux_ids,
+    )
+    info = {
+        "model": settings.display_name,
+        "revision": settings.revision,
+        "engine": settings.engine,
+        "dtype": dtype_name,
+        "num_hidden_layers": facts.num_hidden_layers,
+        "hidden_size": facts.hidden_size,
+        "vocab_size": facts.vocab_size,
+        "aux_layer_ids": aux_ids,
+        "fingerprint": fingerprint,
+        "formats": list(formats.FORMATS),
+        "max_batch_tokens": settings.max_batch_tokens,
+        "max_model_len": int(max_len),
+        "version": eagle3_target.__version__,
+    }
+    return LoadedTarget(
+        runner=runner,
+        num_hidden_layers=facts.num_hidden_layers,
+        hidden_size=facts.hidden_size,
+        vocab_size=facts.vocab_size,
+        dtype=facts.dtype,
+        device=facts.device,
+        max_model_len=int(max_len),
+        fingerprint=fingerprint,
+        info=info,
+    )
+
+
+def validate_token_batch(
+    tensors: Tensors,
+    *,
+    required: tuple[str, ...],
+    optional: tuple[str, ...],
+    vocab_size: int,
+    max_model_len: int,
+    max_batch_tokens: int,
+) -> Tensors:
+    """Check a decoded request batch and return int64 tensors; 422 for bad input, 413 when too many tokens."""
+    unexpected = sorted(set(tensors) - set(required) - set(optional))
+    if unexpected:
+        raise Unprocessable(f"unexpected tensors {unexpected}; expected {list(required + optional)}")
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise Unprocessable(f"missing required tensors {missing}")
+    input_ids = tensors["input_ids"]
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise Unprocessable(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+    if input_ids.dim() == 2 and input_ids.shape[1] > max_model_len:
+        raise Unprocessable(f"sequence length {input_ids.shape[1]} exceeds max-model-len {max_model_len}")
+    if input_ids.numel() > max_batch_tokens:
+        raise PayloadTooLarge(f"{input_ids.numel()} tokens exceed max-batch-tokens {max_batch_tokens}")
+    try:
+        ids, attention_mask = check_inputs(input_ids, tensors.get("attention_mask"), vocab_size)
+        checked = {"input_ids": ids, "attention_mask": attention_mask}
+        for name in (*required, *optional):
+            if name in tensors and name not in checked:
+                checked[name] = check_mask(name, tensors[name], ids)
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from exc
+    return checked
+
+
+def check_mask(name: str, mask: Tensor, input_ids: Tensor) -> Tensor:
+    """A 0/1 mask shaped like input_ids, as int64."""
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"{name} shape {tuple(mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise ValueError(f"{name} must be integer or bool, got {mask.dtype}")
+    mask = mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name} must hold only 0 and 1")
+    return mask
+
+
+def supervision_compute(
+    target: LoadedTarget, fmt: str, logits_dtype: torch.dtype, mapping: VocabMapping | None
+) -> Callable[[Tensors], Tensors]:
+    """The native ``/v1/supervision`` computation for one format; outputs on the CPU, unshifted."""
+
+    def compute(inputs: Tensors) -> Tensors:
+        input_ids = inputs["input_ids"].to(target.device)
+        attention_mask = inputs["attention_mask"].to(target.device)
+        final_hidden, aux = target.runner.forward_hidden(input_ids, attention_mask)
+        out = formats.supervision(
+            fmt, final_hidden, aux, target.runner.lm_head_weight(), mapping=mapping, logits_dtype=logits_dtype
+        )
+        return {name: tensor.cpu() for name, tensor in out.items()}
+
+    return compute
+
+
+NEMO_SUPERVISION_KEYS = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
+
+
+def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callable[[Tensors], Tensors]:
+    """NeMo's ``/generate``: the draft-vocab batch of its HF backend, input ids and loss mask shifted."""
+
+    def compute(inputs: Tensors) -> Tensors:
+        input_ids = inputs["input_ids"].to(target.device)
+        attention_mask = inputs["attention_mask"].to(target.device)
+        loss_mask = inputs["loss_mask"].to(target.device)
+        logits, aux = target.runner.forward_eagle3(input_ids, attention_mask)
+        batch = build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping=mapping)
+        return {name: getattr(batch, name).cpu() for name in NEMO_SUPERVISION_KEYS}
+
+    return compute

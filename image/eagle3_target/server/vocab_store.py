@@ -1,0 +1,78 @@
+"""Draft-vocab mappings the server keeps for its clients: a bounded LRU per id, never one global.
+
+Native clients name their mapping (``PUT /v1/vocab-mappings/{id}``). NeMo's client names nothing: it posts
+``/set_vocab_mapping`` and later ``/generate`` on one keep-alive session. Such mappings are stored under
+their content digest and bound to the posting connection, so two trainers with different mappings never
+see each other's. When a session reconnects (idle keep-alive closed), the peer host's mapping is used if
+that host registered exactly one; if it is ambiguous the request fails loudly instead of guessing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+from eagle3_target.server.errors import NotFound
+
+V = TypeVar("V")
+
+
+class LruDict(Generic[V]):
+    """A thread-safe mapping that forgets its least recently used entry beyond ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, V] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, value: V) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, key: str) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class NemoMappingBindings:
+    """Which mapping id each NeMo client connection, and each client host, registered."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._by_connection: LruDict[str] = LruDict(capacity)
+        self._by_host: LruDict[frozenset[str]] = LruDict(capacity)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _connection_key(host: str, port: int) -> str:
+        return f"{host}:{port}"
+
+    def bind(self, host: str, port: int, mapping_id: str) -> None:
+        with self._lock:
+            self._by_connection.put(self._connection_key(host, port), mapping_id)
+            self._by_host.put(host, (self._by_host.get(host) or frozenset()) | {mapping_id})
+
+    def resolve(self, host: str, port: int) -> str:
+        """The mapping this connection set, else its host's only mapping; 404 otherwise."""
+        mapping_id = self._by_connection.get(self._connection_key(host, port))
+        if mapping_id is not None:
+            return mapping_id
+        host_ids = self._by_host.get(host) or frozenset()
+        if len(host_ids) == 1:
+            return next(iter(host_ids))
+        if not host_ids:
+            raise NotFound("no vocab mapping set: POST /set_vocab_mapping before /generate")
+        raise NotFound(
+            f"{len(host_ids)} different vocab mappings were set from {host} and this connection set none: "
+            "POST /set_vocab_mapping again on this connection"
+        )
