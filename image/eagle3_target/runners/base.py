@@ -1,0 +1,114 @@
+"""The engine seam: what every target runner (HF in-process, vLLM, a remote client) provides.
+
+The supervision contract and the server depend only on this protocol, so engines stay swappable and the
+contract is testable without any engine installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class TargetRunner(Protocol):
+    """A frozen target LLM that returns EAGLE-3 captures. All outputs are unshifted (position-aligned)."""
+
+    model: Any  # exposes .config (num_hidden_layers, hidden_size, vocab_size) and .parameters()
+    aux_layer_ids: list[int]
+
+    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
+        """Select the 3 decoder layers to capture (HF ids: output of decoder layer i)."""
+        ...
+
+    def forward_eagle3(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(logits [B,S,V], aux [B,S,3H]) in the model dtype."""
+        ...
+
+    def forward_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) in the model dtype, without materialising full logits."""
+        ...
+
+    def input_embedding_weight(self) -> Tensor:
+        """[V, H]."""
+        ...
+
+    def lm_head_weight(self) -> Tensor:
+        """[V, H]; the input embeddings for models with tied embeddings."""
+        ...
+
+    def final_norm_weight(self) -> Tensor:
+        """[H]."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (GPU memory, worker processes)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The target's shape facts that the server publishes and clients check against their draft."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def text_config(config: Any) -> Any:
+    """The language-model part of a config (multimodal wrappers keep it under `text_config`)."""
+    inner = getattr(config, "text_config", None)
+    return inner if inner is not None and getattr(inner, "num_hidden_layers", None) is not None else config
+
+
+def model_info(runner: TargetRunner) -> ModelInfo:
+    """Read num layers/hidden/vocab from the runner's config, dtype/device from its parameters."""
+    config = text_config(runner.model.config)
+    first = next(iter(runner.model.parameters()))
+    return ModelInfo(
+        num_hidden_layers=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(config.vocab_size),
+        dtype=first.dtype,
+        device=first.device,
+    )
+
+
+def check_inputs(input_ids: Tensor, attention_mask: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Validate a batch before it reaches an engine; returns int64 (input_ids, attention_mask).
+
+    Checking token ids here matters: an out-of-range id is an IndexError on CPU but a device-side assert
+    that kills the whole CUDA context on GPU. Rows must be right-padded (mask 1...1 0...0, first token
+    real) because the runners compute positions from 0 and NeMo's data pipeline pads on the right.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a non-empty [B, S] tensor, got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integers, got {input_ids.dtype}")
+    ids = input_ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+    if attention_mask is None:
+        return ids, torch.ones_like(ids)
+    if tuple(attention_mask.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(ids.shape)}"
+        )
+    if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+        raise ValueError(f"attention_mask must be integer or bool, got {attention_mask.dtype}")
+    mask = attention_mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold only 0 and 1")
+    if bool((mask[:, 0] == 0).any()) or bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError("rows must be right-padded: attention_mask 1...1 0...0 with a real first token")
+    return ids, mask

@@ -1,0 +1,161 @@
+"""The Hugging Face engine: a local causal LM run in-process, aux layers captured with forward hooks.
+
+This is the reference NeMo's co-located backend defines (aux id i = output of decoder layer i = HF
+`hidden_states[i+1]`, logits from the model's own lm_head); it runs anywhere, CPU included.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
+from eagle3_target.runners.base import check_inputs, text_config
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+# Config fields that put a non-linear step between final_norm(h_L) and the logits; with them the
+# final hidden state alone cannot reproduce the logits, so `forward_hidden` refuses.
+_NONLINEAR_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """Map a user dtype ("auto", "bfloat16", "bf16", torch.float32, ...) to what transformers accepts."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}") from None
+
+
+def _first_attr(owner: nn.Module, names: Sequence[str], what: str) -> Any:
+    for name in names:
+        found = getattr(owner, name, None)
+        if found is not None:
+            return found
+    raise ValueError(f"cannot find the {what} of {type(owner).__name__} (looked for {', '.join(names)})")
+
+
+class HFRunner:
+    """A frozen HF causal LM implementing `TargetRunner`.
+
+    Forwards run under `torch.no_grad` rather than `inference_mode`: the outputs may feed an in-process
+    trainer, and inference tensors cannot be saved for backward there.
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int] | None = None) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self._config = text_config(model.config)
+        self._decoder: nn.Module = model.get_decoder()
+        self._layers: list[nn.Module] = list(_first_attr(self._decoder, ("layers", "h"), "decoder layers"))
+        self._final_norm: nn.Module = _first_attr(
+            self._decoder, ("norm", "final_layernorm", "ln_f"), "final norm"
+        )
+        num_layers = int(self._config.num_hidden_layers)
+        if len(self._layers) != num_layers:
+            raise ValueError(f"config says {num_layers} layers but the model has {len(self._layers)}")
+        self.aux_layer_ids: list[int] = []
+        self.set_aux_layers(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        aux_layer_ids: Sequence[int] | None = None,
+        trust_remote_code: bool = False,
+    ) -> HFRunner:
+        """Load a local model directory (sharded or not); device defaults to CUDA when available."""
+        from transformers import AutoModelForCausalLM
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a local model directory (no config.json)")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=parse_dtype(dtype),
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+        )
+        return cls(model.to(device), aux_layer_ids)
+
+    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
+        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self._layers))
+
+    def forward_eagle3(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        def run(ids: Tensor, mask: Tensor) -> Tensor:
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+        return self._forward_capturing_aux(run, input_ids, attention_mask)
+
+    def forward_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        for field in _NONLINEAR_HEAD_FIELDS:
+            if getattr(self._config, field, None) is not None:
+                raise ValueError(f"this model's logits apply {field}; use forward_eagle3 for it")
+
+        def run(ids: Tensor, mask: Tensor) -> Tensor:
+            # The decoder alone stops at final_norm(h_L): no [B, S, V] logits are ever allocated.
+            return self._decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+
+        return self._forward_capturing_aux(run, input_ids, attention_mask)
+
+    def _forward_capturing_aux(
+        self, run: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, attention_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        ids, mask = check_inputs(input_ids, attention_mask, int(self._config.vocab_size))
+        device = self.input_embedding_weight().device
+        captured: dict[int, Tensor] = {}
+
+        def hook_for(layer_id: int) -> Callable[..., None]:
+            def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+                captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(hook_for(i)) for i in self.aux_layer_ids]
+        try:
+            with torch.no_grad():
+                main = run(ids.to(device), mask.to(device))
+        finally:
+            for handle in handles:
+                handle.remove()
+        if sorted(captured) != sorted(self.aux_layer_ids):
+            raise RuntimeError(f"captured layers {sorted(captured)}, expected {self.aux_layer_ids}")
+        return main, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+
+    def input_embedding_weight(self) -> Tensor:
+        return self.model.get_input_embeddings().weight.detach()
+
+    def lm_head_weight(self) -> Tensor:
+        head = self.model.get_output_embeddings()
+        return (head if head is not None else self.model.get_input_embeddings()).weight.detach()
+
+    def final_norm_weight(self) -> Tensor:
+        return self._final_norm.weight.detach()
+
+    def close(self) -> None:
+        """Drop the model; the memory returns once the last reference goes."""
+        self.model = self.model.to("meta")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
