@@ -1,0 +1,69 @@
+"""`python -m tests.cluster up|down|status`: a control plane that outlives the command, for the demo,
+for poking at with kubectl, and for test runs to reuse instead of starting their own."""
+
+from __future__ import annotations
+
+import time
+
+import kubernetes
+import typer
+
+from tests.cluster import nodes, plane
+from tests.cluster.processes import ClusterStartError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True)
+
+
+@app.command()
+def up(gpu_nodes: int = typer.Option(2, help="simulated nodes with 8 nvidia.com/gpu each")) -> None:
+    """Start the plane in .cache/cluster, detached; a plane that already runs is kept."""
+    running = plane.find_running()
+    if running is not None:
+        typer.echo(f"already up: export KUBECONFIG={running.kubeconfig}")
+        return
+    stale = plane.ControlPlane.load(plane.CLI_DIR)
+    if stale is not None:  # some component died: take the rest down before starting afresh
+        stale.stop()
+    began = time.monotonic()
+    try:
+        started = plane.start(plane.CLI_DIR, detached=True, gpu_nodes=gpu_nodes)
+    except ClusterStartError as error:
+        typer.echo(f"failed: {error}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"up in {time.monotonic() - began:.1f}s (ready at, in seconds: {started.timings})")
+    typer.echo(f"logs in {started.directory}\nexport KUBECONFIG={started.kubeconfig}")
+
+
+@app.command()
+def down() -> None:
+    """Stop every process of the plane in .cache/cluster (SIGTERM, then SIGKILL)."""
+    running = plane.ControlPlane.load(plane.CLI_DIR)
+    if running is None:
+        typer.echo("not running")
+        return
+    running.stop()
+    typer.echo(f"stopped {', '.join(p.name for p in running.processes)}")
+
+
+@app.command()
+def status() -> None:
+    """Show each process and the nodes; exit 1 unless the whole plane runs."""
+    running = plane.ControlPlane.load(plane.CLI_DIR)
+    if running is None:
+        typer.echo("not running")
+        raise typer.Exit(1)
+    for process in running.processes:
+        state = "running" if process.alive() else "DEAD"
+        typer.echo(f"{process.name:<24} pid {process.pid:<8} {state:<8} {process.log}")
+    typer.echo(f"kubeconfig: {running.kubeconfig}")
+    if plane.find_running() is None:
+        typer.echo("the plane is not healthy: run `python -m tests.cluster down` then `up`")
+        raise typer.Exit(1)
+    for node in kubernetes.client.CoreV1Api(running.cluster().api_client).list_node().items:
+        gpus = (node.status.allocatable or {}).get(nodes.GPU_RESOURCE, "0")
+        state = "schedulable" if nodes.schedulable(node) else "not schedulable"
+        typer.echo(f"node {node.metadata.name:<8} {state:<16} gpus={gpus} podCIDR={node.spec.pod_cidr}")
+
+
+if __name__ == "__main__":
+    app()

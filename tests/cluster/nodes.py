@@ -1,0 +1,74 @@
+"""Simulated GPU nodes. kwok manages every Node annotated `kwok.x-k8s.io/node: fake`: it marks it Ready,
+renews its lease and gives its scheduled pods IPs from the node's podCIDR, which we keep inside 127.0.0.0/8
+so that a server bound on this machine answers at a pod's IP."""
+
+from __future__ import annotations
+
+import kubernetes
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+KWOK_ANNOTATION = "kwok.x-k8s.io/node=fake"
+NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+
+
+def gpu_node_name(index: int) -> str:
+    return f"gpu-{index}"
+
+
+def gpu_node_pod_cidr(index: int) -> str:
+    """Node N hands out 127.1.(N+1).x; kwok's fallback --cidr 127.1.0.0/24 serves nodes without a podCIDR."""
+    return f"127.1.{index + 1}.0/24"
+
+
+def gpu_node(index: int, gpus: int = 8) -> dict[str, object]:
+    """A Node as a kubelet would register it: the API server keeps the status given at creation, and kwok's
+    node-initialize stage keeps capacity and allocatable."""
+    name = gpu_node_name(index)
+    resources = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "pods": "110",
+        "ephemeral-storage": "1Ti",
+        GPU_RESOURCE: str(gpus),
+    }
+    key, value = KWOK_ANNOTATION.split("=")
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {key: value},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": GPU_PRODUCT,
+                "nvidia.com/gpu.count": str(gpus),
+            },
+        },
+        "spec": {"podCIDR": gpu_node_pod_cidr(index), "podCIDRs": [gpu_node_pod_cidr(index)]},
+        "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def create_gpu_nodes(api_client: kubernetes.client.ApiClient, count: int) -> list[str]:
+    core = kubernetes.client.CoreV1Api(api_client)
+    for index in range(count):
+        core.create_node(gpu_node(index))
+    return [gpu_node_name(index) for index in range(count)]
+
+
+def schedulable(node: kubernetes.client.V1Node) -> bool:
+    """Ready, and the node-lifecycle controller has lifted the not-ready taint every new node starts with."""
+    ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
+    tainted = any(t.key == NOT_READY_TAINT for t in node.spec.taints or [])
+    return ready and not tainted
+
+
+def all_schedulable(api_client: kubernetes.client.ApiClient, names: list[str]) -> bool:
+    nodes = kubernetes.client.CoreV1Api(api_client).list_node().items
+    by_name = {n.metadata.name: n for n in nodes}
+    return all(name in by_name and schedulable(by_name[name]) for name in names)

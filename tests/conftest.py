@@ -1,0 +1,84 @@
+"""Session-wide test setup: the local control plane (started once, only if a test asks for it), a fresh
+namespace per test, and a guard that fails any run in which a test was skipped: CI is green only when every
+test ran and passed."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import kubernetes
+import pytest
+
+from tests.cluster import plane
+from tests.cluster.access import Cluster
+
+NOT_RUN_OUTCOMES = ("skipped", "xfailed", "xpassed")
+_log_dirs: list[Path] = []  # where the logs of the plane this session used are, for the failure summary
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use the cluster carry the `cluster` marker, so `-m "not cluster"` leaves them out."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The control plane: $E3T_KUBECONFIG's cluster if set, else the one `python -m tests.cluster up`
+    left running, else a private one that lives as long as this session."""
+    external = os.environ.get("E3T_KUBECONFIG")
+    if external:
+        yield Cluster(Path(external))
+        return
+    running = plane.find_running()
+    if running is not None:
+        _log_dirs.append(running.directory)
+        yield running.cluster()
+        return
+    directory = tmp_path_factory.mktemp("cluster")
+    _log_dirs.append(directory)
+    own = plane.start(directory, detached=False)
+    try:
+        yield own.cluster()
+    finally:
+        own.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace named after the test, deleted afterwards (its pods go with it)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{slug}-{secrets.token_hex(3)}"
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    core.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name)))
+    yield name
+    core.delete_namespace(name)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After a failed cluster test, say where the control plane's logs are."""
+    failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+    if _log_dirs and any("cluster" in report.keywords for report in failed):
+        terminalreporter.write_sep("=", "control plane logs")
+        for directory in _log_dirs:
+            for log in sorted(directory.glob("*.log")):
+                terminalreporter.write_line(str(log))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A skipped (or xfailed) test fails the run: CI must never be green by not running something."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    not_run = {
+        outcome: len(reporter.stats[outcome]) for outcome in NOT_RUN_OUTCOMES if reporter.stats.get(outcome)
+    }
+    if not_run:
+        reporter.ensure_newline()
+        reporter.write_sep("=", f"FAILED: tests that did not run count as failures: {not_run}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
