@@ -1,0 +1,87 @@
+"""Ask target servers whether they serve, and what: GET /readyz, then GET /v1/info.
+
+Probes are short (a slow server is reported as not ready, never waited for) and concurrent, and a global
+limit keeps hundreds of targets from opening hundreds of sockets at once. One shared httpx client reuses
+connections between rounds.
+"""
+
+import asyncio
+from collections.abc import Mapping
+
+import httpx
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from eagle3_operator.status import ProbeResult, ServerInfo
+
+PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
+MAX_CONCURRENT_PROBES = 64
+
+
+class _InfoPayload(BaseModel):
+    """The /v1/info fields status publishes; extra fields are the server's business."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    revision: str | None = None
+    engine: str
+    dtype: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    fingerprint: str
+
+
+class Prober:
+    def __init__(self, timeout: httpx.Timeout = PROBE_TIMEOUT, limit: int = MAX_CONCURRENT_PROBES) -> None:
+        # trust_env=False: probes go to pod IPs directly, never through a proxy from the environment.
+        self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
+        self._slots = asyncio.Semaphore(limit)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def probe_many(
+        self, addresses: Mapping[str, str], token: str | None = None
+    ) -> dict[str, ProbeResult]:
+        """Probe every address concurrently; keys are whatever the caller uses to name them (pod names)."""
+        keys = list(addresses)
+        results = await asyncio.gather(*(self.probe(addresses[key], token) for key in keys))
+        return dict(zip(keys, results, strict=True))
+
+    async def probe(self, base_url: str, token: str | None = None) -> ProbeResult:
+        """`token` is the target's bearer token (spec.auth): /v1/info needs it, /readyz does not."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self._slots:
+            try:
+                ready = await self._client.get(f"{base_url.rstrip('/')}/readyz")
+                if ready.status_code != 200:
+                    return ProbeResult(ready=False, error=f"/readyz answered {ready.status_code}")
+                info = await self._client.get(f"{base_url.rstrip('/')}/v1/info", headers=headers)
+            except httpx.TransportError as error:
+                return ProbeResult(ready=False, reachable=False, error=f"{type(error).__name__}: {error}")
+            return _parse_info(info)
+
+
+def _parse_info(response: httpx.Response) -> ProbeResult:
+    if response.status_code != 200:
+        return ProbeResult(ready=False, error=f"/v1/info answered {response.status_code}")
+    try:
+        payload = _InfoPayload.model_validate_json(response.content)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return ProbeResult(ready=False, error=f"/v1/info is not the expected JSON: {where}: {first['msg']}")
+    info = ServerInfo(
+        name=payload.model,
+        revision=payload.revision,
+        dtype=payload.dtype,
+        engine=payload.engine,
+        num_hidden_layers=payload.num_hidden_layers,
+        hidden_size=payload.hidden_size,
+        vocab_size=payload.vocab_size,
+        aux_layer_ids=tuple(payload.aux_layer_ids),
+        fingerprint=payload.fingerprint,
+    )
+    return ProbeResult(ready=True, info=info)

@@ -1,0 +1,476 @@
+"""Status from observation: what the cluster and the target servers show → the `Eagle3Target` status.
+
+Everything here is pure (the clock is an argument), so the rules that users and training jobs depend on
+(when Ready is True, which reason explains a stall, when a transition time moves) are tested without a
+cluster. The operator writes the result only when it differs from the status already stored.
+
+Ready is strict: every desired replica is a ready endpoint of the current Deployment revision, each
+answering /readyz and /v1/info with one fingerprint. A job that resolves a Ready target for generation N
+therefore never lands on pods still running generation N-1. Degraded says "something needs a human" and
+Progressing says "wait, it is moving"; both carry the reason a user acts on.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from eagle3_operator.spec import Eagle3TargetSpec
+
+# The status keys this module owns; anything else under .status is left alone.
+STATUS_KEYS = (
+    "observedGeneration",
+    "phase",
+    "conditions",
+    "url",
+    "endpoints",
+    "replicas",
+    "readyReplicas",
+    "updatedReplicas",
+    "readyDesired",
+    "selector",
+    "model",
+    "lastFailure",
+)
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+# What status says about the target, as opposed to what it observed (url, endpoints, counts, model).
+_JUDGEMENT_KEYS = ("observedGeneration", "phase", "conditions", "lastFailure")
+EPOCH = datetime.fromtimestamp(0, UTC)
+
+# Container waiting reasons that will not clear on their own, mapped to the reason the status reports.
+WAITING_FAILURES = {
+    "ErrImagePull": "ImagePullBackOff",
+    "ImagePullBackOff": "ImagePullBackOff",
+    "InvalidImageName": "ImagePullBackOff",
+    "CrashLoopBackOff": "CrashLoopBackOff",
+    "CreateContainerConfigError": "CreateContainerConfigError",
+    "CreateContainerError": "CreateContainerError",
+}
+# When several pods fail differently, the reason reported is the first in this order (most actionable).
+FAILURE_PRIORITY = (
+    "InvalidSpec",
+    "Unschedulable",
+    "ImagePullBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "CrashLoopBackOff",
+    "ReplicaFailure",
+    "StartupTimeout",
+    "ProgressDeadlineExceeded",
+    "EndpointUnreachable",
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The parts of a target pod that status needs; small, because one is kept in memory per pod."""
+
+    name: str
+    ip: str | None
+    node: str | None
+    ready: bool  # the pod's own Ready condition (kubelet probes)
+    terminating: bool
+    created: datetime | None
+    started: datetime | None
+    failure: Failure | None  # a failure readable from the pod alone (not time-based)
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    generation: int
+    observed_generation: int
+    desired: int  # .spec.replicas
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    failure: Failure | None  # ReplicaFailure or ProgressDeadlineExceeded from its conditions
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """The model a server reported at GET /v1/info, as published in status.model."""
+
+    name: str
+    revision: str | None
+    dtype: str
+    engine: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    fingerprint: str
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "engine": self.engine,
+            "numHiddenLayers": self.num_hidden_layers,
+            "hiddenSize": self.hidden_size,
+            "vocabSize": self.vocab_size,
+            "auxLayerIds": list(self.aux_layer_ids),
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One server's answer: ready means /readyz said 200 and /v1/info parsed; else `error` says why."""
+
+    ready: bool
+    info: ServerInfo | None = None
+    error: str | None = None
+    reachable: bool = True
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything known about one target at one moment."""
+
+    generation: int
+    spec: Eagle3TargetSpec | None
+    spec_error: str | None = None
+    url: str | None = None
+    selector: str | None = None
+    deployment: DeploymentView | None = None
+    pods: Sequence[PodView] = ()
+    probes: Mapping[str, ProbeResult] = field(default_factory=dict)  # by pod name, or the URL when external
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A change worth a Kubernetes event."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def timestamp(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    """Condense a Pod (as the API returns it) into what status needs."""
+    metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = (conditions.get("Ready") or {}).get("status") == "True"
+    return PodView(
+        name=metadata.get("name", ""),
+        ip=status.get("podIP") or None,
+        node=(pod.get("spec") or {}).get("nodeName") or None,
+        ready=ready,
+        terminating=metadata.get("deletionTimestamp") is not None,
+        created=parse_timestamp(metadata.get("creationTimestamp")),
+        started=parse_timestamp(status.get("startTime")),
+        failure=_pod_failure(conditions.get("PodScheduled") or {}, status),
+    )
+
+
+def _pod_failure(scheduled: Mapping[str, Any], status: Mapping[str, Any]) -> Failure | None:
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return Failure("Unschedulable", scheduled.get("message") or "no node fits the pod")
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    for container in containers:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = WAITING_FAILURES.get(waiting.get("reason", ""))
+        if reason:
+            message = waiting.get("message") or waiting["reason"]
+            return Failure(reason, f"container {container.get('name')}: {message}")
+    return None
+
+
+def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
+    metadata, spec, status = (deployment.get(k) or {} for k in ("metadata", "spec", "status"))
+    failure = None
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            failure = Failure("ReplicaFailure", condition.get("message") or "pods cannot be created")
+        elif condition.get("reason") == "ProgressDeadlineExceeded" and failure is None:
+            failure = Failure("ProgressDeadlineExceeded", condition.get("message") or "rollout timed out")
+    return DeploymentView(
+        generation=metadata.get("generation", 0),
+        observed_generation=status.get("observedGeneration", 0),
+        desired=spec.get("replicas", 1),
+        replicas=status.get("replicas", 0),
+        ready_replicas=status.get("readyReplicas", 0),
+        updated_replicas=status.get("updatedReplicas", 0),
+        failure=failure,
+    )
+
+
+def compute_status(observation: Observation, previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    """The full status (STATUS_KEYS only; None means "absent") for one observation."""
+    if observation.spec is None:
+        state = _invalid_state(observation, previous)
+    elif observation.spec.external:
+        state = _external_state(observation, observation.spec)
+    else:
+        state = _managed_state(observation, observation.spec, now)
+    conditions = [
+        _condition(kind, status, reason, message, observation.generation, previous, now)
+        for kind, (status, reason, message) in state.conditions.items()
+    ]
+    status = {key: None for key in STATUS_KEYS} | state.fields
+    status["observedGeneration"] = observation.generation
+    status["phase"] = state.phase
+    status["conditions"] = conditions
+    status["lastFailure"] = _last_failure(state.failure, previous.get("lastFailure"), now)
+    return {key: _compact(value) for key, value in status.items()}
+
+
+def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch from the stored status to `new`; empty when nothing changed (then nothing is written)."""
+    return {key: new.get(key) for key in STATUS_KEYS if previous.get(key) != new.get(key)}
+
+
+def transitions(previous: Mapping[str, Any], new: Mapping[str, Any]) -> list[Transition]:
+    """Events for conditions whose status or reason changed: Warning for failures, Normal otherwise."""
+    before = {c["type"]: c for c in previous.get("conditions") or [] if "type" in c}
+    events = []
+    for condition in new.get("conditions") or []:
+        old = before.get(condition["type"], {})
+        if (old.get("status"), old.get("reason")) == (condition["status"], condition["reason"]):
+            continue
+        failing = condition["type"] == "Degraded" and condition["status"] == "True"
+        failing |= condition["type"] == "Ready" and condition["reason"] in FAILURE_PRIORITY
+        message = f"{condition['type']}={condition['status']}: {condition['message']}"
+        events.append(Transition("Warning" if failing else "Normal", condition["reason"], message))
+    return events
+
+
+def _compact(value: Any) -> Any:
+    """Drop None members: the API server stores no nulls, so a stored status never contains them."""
+    if isinstance(value, Mapping):
+        return {k: _compact(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class _State:
+    phase: str
+    conditions: dict[str, tuple[str, str, str]]  # type -> (status, reason, message), in CONDITION_TYPES order
+    fields: dict[str, Any]
+    failure: Failure | None
+
+
+def _invalid_state(observation: Observation, previous: Mapping[str, Any]) -> _State:
+    """Children are left as they were, so what they serve (url, endpoints, model) stays published."""
+    message = observation.spec_error or "the spec is invalid"
+    kept = {key: previous.get(key) for key in STATUS_KEYS if key not in _JUDGEMENT_KEYS}
+    return _State(
+        phase="Failed",
+        conditions={
+            "Ready": ("False", "InvalidSpec", message),
+            "Progressing": ("False", "InvalidSpec", message),
+            "Degraded": ("True", "InvalidSpec", message),
+        },
+        fields=kept,
+        failure=Failure("InvalidSpec", message),
+    )
+
+
+def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> _State:
+    url = spec.endpoint.url if spec.endpoint else None
+    probe = observation.probes.get(url or "")
+    ready = probe is not None and probe.ready and not spec.suspend
+    fields = {
+        "url": url,
+        "endpoints": [{"address": url, "ready": ready}],
+        "replicas": 1,
+        "readyReplicas": int(ready),
+        "updatedReplicas": 1,
+        "readyDesired": f"{int(ready)}/1",
+        "model": probe.info.to_status() if ready and probe.info else None,
+    }
+    if spec.suspend:
+        return _State(
+            "Suspended", _quiet("False", "Suspended", "suspended: the endpoint is not probed"), fields, None
+        )
+    if ready:
+        return _State("Ready", _quiet("True", "EndpointReady", f"{url} is ready"), fields, None)
+    error = probe.error if probe and probe.error else "not probed yet"
+    if probe is not None and probe.reachable:
+        conditions = {
+            "Ready": ("False", "EndpointNotReady", f"{url}: {error}"),
+            "Progressing": ("True", "Loading", f"{url} answers but is not ready: {error}"),
+            "Degraded": ("False", "AsExpected", "nothing is failing"),
+        }
+        return _State("Loading", conditions, fields, None)
+    failure = Failure("EndpointUnreachable", f"{url}: {error}")
+    return _State("Failed", _failed(failure), fields, failure)
+
+
+def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: datetime) -> _State:
+    desired = spec.effective_replicas
+    deployment = observation.deployment
+    pods = sorted((p for p in observation.pods if not p.terminating), key=lambda p: p.name)
+    endpoints = [
+        {
+            "pod": pod.name,
+            "address": f"http://{pod.ip}:{spec.port}",
+            "ready": _serving(pod, observation),
+            "node": pod.node,
+        }
+        for pod in pods
+        if pod.ip
+    ]
+    ready_pods = [pod for pod in pods if _serving(pod, observation)]
+    newest_first = sorted(ready_pods, key=lambda p: p.created or EPOCH, reverse=True)
+    infos = [info for pod in newest_first if (info := observation.probes[pod.name].info) is not None]
+    fields = {
+        "url": observation.url,
+        "endpoints": endpoints,
+        "replicas": deployment.replicas if deployment else 0,
+        "readyReplicas": len(ready_pods),
+        "updatedReplicas": deployment.updated_replicas if deployment else 0,
+        "readyDesired": f"{len(ready_pods)}/{desired}",
+        "selector": observation.selector,
+        "model": infos[0].to_status() if infos else None,
+    }
+    rolled_out = (
+        deployment is not None
+        and deployment.desired == desired
+        and deployment.observed_generation >= deployment.generation
+        and deployment.updated_replicas == desired
+        and deployment.replicas == desired
+        and len(observation.pods) == desired
+    )
+    if spec.suspend:
+        return _suspended_state(observation, fields)
+    failure = _first_failure(pods, deployment, observation, spec, now)
+    progress = f"{len(ready_pods)}/{desired} replicas serving"
+    if failure is not None:
+        phase = "Degraded" if ready_pods else "Failed"
+        return _State(phase, _failed(failure), fields, failure)
+    fingerprints = {info.fingerprint for info in infos}
+    if len(fingerprints) > 1 and rolled_out:
+        mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {sorted(fingerprints)}")
+        return _State("Degraded", _failed(mismatch), fields, None)
+    if desired == 0:
+        return _State("Pending", _quiet("False", "ScaledToZero", "spec.replicas is 0"), fields, None)
+    if rolled_out and len(ready_pods) == desired:
+        return _State("Ready", _quiet("True", "AllReplicasReady", progress), fields, None)
+    unprobed = [p.name for p in pods if p.ready and not _serving(p, observation)]
+    reason, detail = ("Loading", "loading") if rolled_out else ("RollingOut", "rolling out the current spec")
+    if unprobed:
+        errors = "; ".join(f"{name}: {_probe_error(observation, name)}" for name in unprobed)
+        detail = f"pods ready but their servers are not: {errors}"
+    conditions = {
+        "Ready": ("False", reason, f"{progress}; {detail}"),
+        "Progressing": ("True", reason, f"{progress}; {detail}"),
+        "Degraded": ("False", "AsExpected", "nothing is failing"),
+    }
+    phase = "Loading" if any(p.node for p in pods) else "Pending"
+    return _State(phase, conditions, fields, None)
+
+
+def _suspended_state(observation: Observation, fields: dict[str, Any]) -> _State:
+    remaining = len(observation.pods)
+    progressing = (
+        ("True", "Suspending", f"{remaining} pods still stopping")
+        if remaining
+        else ("False", "Suspended", "no pods run while suspended")
+    )
+    conditions = {
+        "Ready": ("False", "Suspended", "spec.suspend is true"),
+        "Progressing": progressing,
+        "Degraded": ("False", "AsExpected", "nothing is failing"),
+    }
+    return _State("Suspended", conditions, fields, None)
+
+
+def _serving(pod: PodView, observation: Observation) -> bool:
+    probe = observation.probes.get(pod.name)
+    return pod.ready and not pod.terminating and probe is not None and probe.ready and probe.info is not None
+
+
+def _probe_error(observation: Observation, pod_name: str) -> str:
+    probe = observation.probes.get(pod_name)
+    return probe.error if probe is not None and probe.error else "not probed yet"
+
+
+def _first_failure(
+    pods: Iterable[PodView],
+    deployment: DeploymentView | None,
+    observation: Observation,
+    spec: Eagle3TargetSpec,
+    now: datetime,
+) -> Failure | None:
+    found: list[Failure] = []
+    budget = spec.startup_timeout_seconds
+    for pod in pods:
+        if pod.failure is not None:
+            found.append(Failure(pod.failure.reason, f"pod {pod.name}: {pod.failure.message}"))
+        elif pod.ready and not (probe := observation.probes.get(pod.name, ProbeResult(False))).reachable:
+            # The kubelet's probe passes, ours cannot connect: something between operator and pod is wrong.
+            found.append(Failure("EndpointUnreachable", f"pod {pod.name}: {probe.error}"))
+        elif not pod.ready and pod.started and (now - pod.started).total_seconds() > budget:
+            # No elapsed time in the message: it would change, and so rewrite the status, on every probe.
+            message = (
+                f"pod {pod.name} not ready within startupTimeoutSeconds={budget} of {timestamp(pod.started)}"
+            )
+            found.append(Failure("StartupTimeout", message))
+    if deployment is not None and deployment.failure is not None:
+        found.append(deployment.failure)
+    return min(found, key=lambda f: FAILURE_PRIORITY.index(f.reason), default=None)
+
+
+def _failed(failure: Failure) -> dict[str, tuple[str, str, str]]:
+    return {
+        "Ready": ("False", failure.reason, failure.message),
+        "Progressing": ("False", failure.reason, failure.message),
+        "Degraded": ("True", failure.reason, failure.message),
+    }
+
+
+def _quiet(ready: str, reason: str, message: str) -> dict[str, tuple[str, str, str]]:
+    """Conditions for a settled state: nothing progressing, nothing degraded."""
+    return {
+        "Ready": (ready, reason, message),
+        "Progressing": ("False", reason, message),
+        "Degraded": ("False", "AsExpected", "nothing is failing"),
+    }
+
+
+def _condition(
+    kind: str,
+    status: str,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: Mapping[str, Any],
+    now: datetime,
+) -> dict[str, Any]:
+    old = next((c for c in previous.get("conditions") or [] if c.get("type") == kind), {})
+    moved = old.get("status") != status or not old.get("lastTransitionTime")
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": timestamp(now) if moved else old["lastTransitionTime"],
+        "observedGeneration": generation,
+    }
+
+
+def _last_failure(failure: Failure | None, previous: Mapping[str, Any] | None, now: datetime) -> Any:
+    """The most recent failure, kept after recovery; its time moves only when the reason changes."""
+    if failure is None:
+        return previous
+    if previous and previous.get("reason") == failure.reason and previous.get("time"):
+        return {"reason": failure.reason, "message": failure.message, "time": previous["time"]}
+    return {"reason": failure.reason, "message": failure.message, "time": timestamp(now)}
