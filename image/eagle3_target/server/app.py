@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from eagle3_target import formats, wire
+from eagle3_target import formats
 from eagle3_target.contract import VocabMapping
 from eagle3_target.server.auth import BearerAuthMiddleware, read_token_file
 from eagle3_target.server.batching import EngineJob, Tensors
@@ -23,10 +23,12 @@ from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.settings import ServerSettings, mapping_body_limit
 from eagle3_target.server.state import ServerState
 from eagle3_target.server.target import supervision_compute, validate_token_batch
+from eagle3_target.wire import tensors as tensor_wire
 
 OCTET_STREAM = "application/octet-stream"
 LOGITS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_FORMATS = ("draft", "logits")
+DTYPE_FORMATS = ("logits",)
+VOCAB_FORMATS = ("draft", "probs")
 WEIGHTS = ("input_embeddings", "lm_head", "final_norm")
 _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -34,7 +36,7 @@ _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 def decode_safetensors(body: bytes) -> Tensors:
     """Request tensors from a safetensors body; 400 when it is not one."""
     try:
-        tensors, _metadata = wire.tensors.decode(body)
+        tensors, _metadata = tensor_wire.decode(body)
     except ValueError as exc:
         raise BadRequest(f"body is not a valid safetensors buffer: {exc}") from exc
     return tensors
@@ -96,6 +98,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             raise Unprocessable(f"unknown dtype {dtype!r}; expected one of {list(LOGITS_DTYPES)}")
         if dtype is not None and format not in DTYPE_FORMATS:
             raise Unprocessable(f"dtype applies to formats {list(DTYPE_FORMATS)} only, not {format!r}")
+        if format in VOCAB_FORMATS and vocab is None:
+            raise Unprocessable(f"format {format!r} needs a draft vocabulary: pass vocab=<mapping id>")
         mapping = None
         if vocab is not None:
             mapping = state.mappings.get(vocab)
@@ -126,7 +130,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         }
         if vocab is not None:
             metadata["vocab"] = vocab
-        payload = await run_in_threadpool(wire.tensors.encode, outputs, metadata)
+        payload = await run_in_threadpool(tensor_wire.encode, outputs, metadata)
         state.metrics.tokens.inc(job.tokens)
         state.metrics.response_bytes.labels(format=format).inc(len(payload))
         return Response(payload, media_type=OCTET_STREAM)
@@ -160,7 +164,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         weight = await run_in_threadpool(weight_tensor, state, name)
         metadata = {"name": name, "fingerprint": target.fingerprint}
         return Response(
-            await run_in_threadpool(wire.tensors.encode, {"weight": weight}, metadata),
+            await run_in_threadpool(tensor_wire.encode, {"weight": weight}, metadata),
             media_type=OCTET_STREAM,
         )
 

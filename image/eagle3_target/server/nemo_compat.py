@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from eagle3_target import wire
 from eagle3_target.contract import VocabMapping
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
@@ -23,6 +22,7 @@ from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.state import ServerState
 from eagle3_target.server.target import nemo_generate_compute, validate_token_batch
+from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ OK = {"status": "ok"}
 def decode_nemo_wire(body: bytes, limit: int) -> Tensors:
     """Tensors from a NeMo wire body; 400 when malformed, 422 when an entry is None."""
     try:
-        tensors = wire.nemo.decode(body, max_total_bytes=limit)
+        tensors = nemo_wire.decode(body, max_total_bytes=limit)
     except ValueError as exc:
         raise BadRequest(f"body is not a valid NeMo wire buffer: {exc}") from exc
     nones = sorted(name for name, tensor in tensors.items() if tensor is None)
@@ -69,7 +69,7 @@ def nemo_router(state: ServerState) -> APIRouter:
         runner = state.require_target().runner
 
         def encode() -> bytes:
-            return wire.nemo.encode({"weight": runner.input_embedding_weight().detach().cpu().contiguous()})
+            return nemo_wire.encode({"weight": runner.input_embedding_weight().detach().cpu().contiguous()})
 
         return Response(await run_in_threadpool(encode), media_type=OCTET_STREAM)
 
@@ -122,7 +122,7 @@ def nemo_router(state: ServerState) -> APIRouter:
             batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
         )
         outputs = await state.run_on_engine(job)
-        payload = await run_in_threadpool(wire.nemo.encode, outputs)
+        payload = await run_in_threadpool(nemo_wire.encode, outputs)
         state.metrics.tokens.inc(job.tokens)
         state.metrics.response_bytes.labels(format="nemo").inc(len(payload))
         return Response(payload, media_type=OCTET_STREAM)
