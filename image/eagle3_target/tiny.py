@@ -36,8 +36,8 @@ def write_tiny_model(
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    if hidden_size % NUM_HEADS:
-        raise ValueError(f"hidden_size must be a multiple of {NUM_HEADS}, got {hidden_size}")
+    if hidden_size % (2 * NUM_HEADS):  # rotary embeddings need an even head dim
+        raise ValueError(f"hidden_size must be a multiple of {2 * NUM_HEADS}, got {hidden_size}")
     common = {
         "hidden_size": hidden_size,
         "intermediate_size": 2 * hidden_size,

@@ -1,0 +1,60 @@
+"""Wire codecs for tensors over HTTP: safetensors (the native API) and NeMo's remote-target format.
+
+Both decoders treat the body as untrusted: every length and shape is checked against the bytes actually
+present before anything is allocated, and a malformed body raises `WireFormatError` (a ValueError) with a
+message the server can return as a 400.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class WireFormatError(ValueError):
+    """A body that is not a well-formed payload of the expected wire format."""
+
+
+def as_byte_tensor(buf: bytes | bytearray | memoryview) -> Tensor:
+    """A flat uint8 tensor over the body: shared for writable buffers, one copy for read-only ones.
+
+    Decoded tensors are views of this tensor, so a writable body (bytearray) is decoded without copying;
+    an immutable `bytes` body is copied once so that callers get ordinary writable tensors.
+    """
+    view = memoryview(buf).cast("B")
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def tensor_at(body: Tensor, start: int, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
+    """The tensor stored in body[start:start+nbytes]; a view unless the bytes are misaligned for dtype."""
+    if nbytes == 0:
+        try:
+            return torch.empty(tuple(shape), dtype=dtype)
+        except RuntimeError as exc:  # e.g. a zero dim beside dims whose product overflows int64
+            raise WireFormatError(f"cannot build an empty tensor of shape {list(shape)}: {exc}") from None
+    raw = body[start : start + nbytes]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw.storage_offset() % itemsize or raw.data_ptr() % itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def checked_nbytes(shape: Sequence[int], itemsize: int, what: str) -> int:
+    """prod(shape) * itemsize in exact integers, refusing dims a tensor cannot have."""
+    for dim in shape:
+        if dim < 0 or dim >= 2**63:
+            raise WireFormatError(f"{what}: invalid dimension {dim} in shape {list(shape)}")
+    return math.prod(shape) * itemsize
+
+
+def raw_bytes(t: Tensor) -> memoryview:
+    """The contiguous CPU bytes of a tensor, as a memoryview (no copy when already contiguous on CPU)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
