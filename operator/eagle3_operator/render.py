@@ -8,9 +8,9 @@ full desired object every time is what repairs drift: a field the operator owns 
 import hashlib
 import math
 import re
+from importlib.metadata import version
 from typing import Any
 
-from eagle3_operator import __version__
 from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
 GROUP = "eagle3.dev"
@@ -19,7 +19,8 @@ PLURAL = "eagle3targets"
 KIND = "Eagle3Target"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{__version__}"
+# Targets that name no image run the server release matching this operator.
+DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
 CONTAINER_NAME = "server"
 PORT_NAME = "http"
 MODEL_MOUNT = "/models"
@@ -143,7 +144,10 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
     """The `eagle3-target serve` command line the spec asks for."""
     model = spec.model
     args = ["eagle3-target", "serve", "--model", model_path(spec), "--engine", spec.engine]
-    args += ["--host", "0.0.0.0", "--port", str(spec.port)]
+    args += ["--host", "0.0.0.0", "--port", str(spec.port), "--model-name", model.name]
+    revision = _hf_revision(spec) if model.source.hugging_face is not None else model.revision
+    if revision is not None:
+        args += ["--revision", revision]
     if model.dtype is not None:
         args += ["--dtype", model.dtype]
     if spec.aux_layer_ids is not None:

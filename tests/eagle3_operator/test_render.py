@@ -1,0 +1,394 @@
+"""Rendering a target's children: field-level checks per source and option, name limits, and a server-side
+dry run of the rendered objects against the real API server."""
+
+import json
+import re
+from typing import Any
+
+import kubernetes
+import pytest
+from eagle3_operator import render
+from eagle3_operator.spec import Eagle3TargetSpec
+from hypothesis import given
+from hypothesis import strategies as st
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
+HF_SOURCE = {"huggingFace": {"repo": "org/tiny-model", "cacheClaimName": "hf-cache"}}
+
+
+def make_spec(source: dict[str, Any] | None = None, **fields: Any) -> Eagle3TargetSpec:
+    model = {"name": "org/tiny-model", "source": source or {"pvc": {"claimName": "models"}}}
+    return Eagle3TargetSpec.parse({"model": model, **fields})
+
+
+def children(
+    spec: Eagle3TargetSpec, name: str = "tiny", namespace: str = "ml", **kwargs: Any
+) -> dict[str, dict]:
+    rendered = render.build_children(name, namespace, UID, spec, pod_monitor_supported=True, **kwargs)
+    return {child["kind"]: child for child in rendered}
+
+
+def pod_of(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    return children(spec)["Deployment"]["spec"]["template"]["spec"]
+
+
+def server_of(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    (container,) = pod_of(spec)["containers"]
+    return container
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_default_target_renders_deployment_and_service():
+    rendered = children(make_spec())
+    assert sorted(rendered) == ["Deployment", "Service"]
+    for child in rendered.values():
+        meta = child["metadata"]
+        assert meta["name"] == "tiny" and meta["namespace"] == "ml"
+        assert meta["ownerReferences"] == [render.owner_reference("tiny", UID)]
+        assert meta["ownerReferences"][0]["controller"] is True
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "eagle3-operator"
+    json.dumps(list(rendered.values()))  # server-side apply sends JSON
+
+
+def test_selectors_pick_only_this_targets_pods():
+    rendered = children(make_spec())
+    deployment, service = rendered["Deployment"], rendered["Service"]
+    selector = render.selector_labels("tiny")
+    assert deployment["spec"]["selector"]["matchLabels"] == selector
+    assert service["spec"]["selector"] == selector
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= template_labels.items()
+    assert render.selector_labels("tiny") != render.selector_labels("tiny2")
+    assert (
+        render.label_selector("tiny")
+        == "app.kubernetes.io/instance=tiny,app.kubernetes.io/name=eagle3-target"
+    )
+
+
+def test_service_exposes_the_http_port():
+    service = children(make_spec(port=9000))["Service"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    ]
+    assert server_of(make_spec(port=9000))["ports"][0] == {
+        "name": "http",
+        "containerPort": 9000,
+        "protocol": "TCP",
+    }
+    assert render.service_url("tiny", "ml", make_spec(port=9000)) == "http://tiny.ml.svc:9000"
+
+
+def test_server_command_line_follows_the_spec():
+    spec = make_spec(
+        {"pvc": {"claimName": "models"}},
+        engine="vllm",
+        tensorParallelSize=2,
+        auxLayerIds=[2, 9, 5],
+        maxModelLen=4096,
+        engineArgs={"max-num-seqs": "8", "enforce-eager": "true", "gpu-memory-utilization": "0.85"},
+        auth={"tokenSecretRef": {"name": "target-token", "key": "bearer"}},
+    )
+    command = server_of(spec)["command"]
+    assert command[:2] == ["eagle3-target", "serve"]
+    assert flag(command, "--model") == "/models"
+    assert flag(command, "--engine") == "vllm"
+    assert flag(command, "--port") == "8000"
+    assert flag(command, "--tensor-parallel-size") == "2"
+    assert flag(command, "--max-model-len") == "4096"
+    assert flag(command, "--model-name") == "org/tiny-model"
+    aux = command.index("--aux-layer-ids")
+    assert command[aux + 1 : aux + 4] == ["2", "9", "5"]  # the requested order, which sets the concat order
+    engine_args = [command[i + 1] for i, part in enumerate(command) if part == "--engine-arg"]
+    assert engine_args == ["enforce-eager=true", "gpu-memory-utilization=0.85", "max-num-seqs=8"]
+    assert flag(command, "--auth-token-file") == f"{render.AUTH_MOUNT}/bearer"
+    assert "--trust-remote-code" not in command
+    assert "--dtype" not in command and "--revision" not in command
+
+
+def test_optional_flags_appear_only_when_set():
+    spec = make_spec(engine="hf", tensorParallelSize=0)
+    command = server_of(spec)["command"]
+    for absent in (
+        "--tensor-parallel-size",
+        "--max-model-len",
+        "--aux-layer-ids",
+        "--engine-arg",
+        "--auth-token-file",
+    ):
+        assert absent not in command
+    model = {
+        "name": "m",
+        "revision": "abc123",
+        "dtype": "bfloat16",
+        "trustRemoteCode": True,
+        "source": {"hostPath": {"path": "/m"}},
+    }
+    command = server_of(Eagle3TargetSpec.parse({"model": model, "engine": "hf"}))["command"]
+    assert flag(command, "--dtype") == "bfloat16"
+    assert flag(command, "--revision") == "abc123"
+    assert command[-1] == "--trust-remote-code"
+
+
+def test_auth_secret_is_mounted_where_the_flag_points():
+    spec = make_spec(auth={"tokenSecretRef": {"name": "target-token"}})
+    pod, server = pod_of(spec), server_of(spec)
+    volume = next(v for v in pod["volumes"] if v["name"] == "auth")
+    assert volume["secret"] == {"secretName": "target-token"}
+    mount = next(m for m in server["volumeMounts"] if m["name"] == "auth")
+    assert mount["readOnly"] is True
+    assert flag(server["command"], "--auth-token-file") == f"{mount['mountPath']}/token"
+
+
+@pytest.mark.parametrize(("engine", "gpus"), [("vllm", 1), ("vllm", 4), ("hf", 1), ("hf", 0)])
+def test_gpus_follow_tensor_parallel_size(engine, gpus):
+    spec = make_spec(
+        engine=engine, tensorParallelSize=gpus, resources={"requests": {"cpu": "2", "memory": "8Gi"}}
+    )
+    resources = server_of(spec)["resources"]
+    assert resources["requests"]["cpu"] == "2" and resources["requests"]["memory"] == "8Gi"
+    if gpus:
+        assert resources["requests"]["nvidia.com/gpu"] == gpus == resources["limits"]["nvidia.com/gpu"]
+    else:
+        assert "nvidia.com/gpu" not in resources["requests"]
+        assert "limits" not in resources
+
+
+@pytest.mark.parametrize("timeout", [30, 95, 1800, 86400])
+def test_startup_probe_budget_is_the_startup_timeout(timeout):
+    server = server_of(make_spec(startupTimeoutSeconds=timeout))
+    startup = server["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert timeout <= budget < timeout + startup["periodSeconds"]
+    assert startup["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert server["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert server["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+
+
+def test_pod_is_locked_down():
+    pod, server = pod_of(make_spec()), server_of(make_spec())
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["enableServiceLinks"] is False
+    context = server["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["runAsNonRoot"] is True
+
+
+def test_shared_memory_is_memory_backed():
+    pod, server = pod_of(make_spec()), server_of(make_spec())
+    shm = next(m for m in server["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"] == {"medium": "Memory"}
+
+
+def test_pvc_source_mounts_the_claim_read_only_at_its_sub_path():
+    spec = make_spec({"pvc": {"claimName": "weights", "subPath": "llama/8b"}})
+    pod, server = pod_of(spec), server_of(spec)
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mount = next(m for m in server["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "llama/8b"}
+    assert flag(server["command"], "--model") == "/models"
+    assert "initContainers" not in pod
+
+
+def test_host_path_source_mounts_the_directory():
+    spec = make_spec({"hostPath": {"path": "/srv/models/tiny"}})
+    pod, server = pod_of(spec), server_of(spec)
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["hostPath"] == {"path": "/srv/models/tiny", "type": "Directory"}
+    assert flag(server["command"], "--model") == "/models"
+    assert "initContainers" not in pod
+
+
+def test_hugging_face_source_downloads_into_the_cache_claim_first():
+    source = {
+        "huggingFace": {
+            "repo": "org/tiny-model",
+            "revision": "refs/pr/3",
+            "cacheClaimName": "hf-cache",
+            "tokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
+        }
+    }
+    spec = make_spec(source)
+    pod, server = pod_of(spec), server_of(spec)
+    (download,) = pod["initContainers"]
+    command = download["command"]
+    assert command[:3] == ["hf", "download", "org/tiny-model"]
+    assert flag(command, "--revision") == "refs/pr/3"
+    target_dir = flag(command, "--local-dir")
+    assert target_dir == "/models/huggingface/org/tiny-model/refs--pr--3"
+    assert flag(server["command"], "--model") == target_dir
+    assert flag(server["command"], "--revision") == "refs/pr/3"
+    token = next(e for e in download["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
+    assert "HF_TOKEN" not in {e["name"] for e in server["env"]}  # the server never needs the Hub token
+    volume = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "hf-cache"}
+    assert {"name": "model", "mountPath": "/models"} in download["volumeMounts"]  # writable for the download
+    assert next(m for m in server["volumeMounts"] if m["name"] == "model")["readOnly"] is True
+    assert download["securityContext"] == server["securityContext"]
+
+
+@pytest.mark.parametrize(
+    ("hf_revision", "model_revision", "expected"),
+    [("v2", "abc", "v2"), (None, "abc", "abc"), (None, None, "main")],
+)
+def test_hugging_face_revision_falls_back_to_the_models_then_main(hf_revision, model_revision, expected):
+    hub = {"repo": "org/tiny-model", "cacheClaimName": "hf-cache"} | (
+        {"revision": hf_revision} if hf_revision else {}
+    )
+    model = {"name": "m", "source": {"huggingFace": hub}} | (
+        {"revision": model_revision} if model_revision else {}
+    )
+    pod = pod_of(Eagle3TargetSpec.parse({"model": model}))
+    assert flag(pod["initContainers"][0]["command"], "--revision") == expected
+    assert flag(pod["containers"][0]["command"], "--revision") == expected
+
+
+def test_scheduling_fields_are_copied_into_the_pod():
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    spec = make_spec(
+        nodeSelector={"nvidia.com/gpu.product": "H100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        affinity=affinity,
+        priorityClassName="training-high",
+        imagePullSecrets=[{"name": "registry"}],
+        image="registry.example/eagle3-target:dev",
+    )
+    pod = pod_of(spec)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"] == affinity
+    assert pod["priorityClassName"] == "training-high"
+    assert pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert pod["containers"][0]["image"] == "registry.example/eagle3-target:dev"
+    assert server_of(make_spec())["image"] == render.DEFAULT_IMAGE
+
+
+def test_rollout_never_needs_extra_gpus():
+    deployment = children(make_spec(replicas=3))["Deployment"]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def test_suspend_scales_to_zero_and_drops_the_budget():
+    rendered = children(make_spec(replicas=3, suspend=True))
+    assert rendered["Deployment"]["spec"]["replicas"] == 0
+    assert "PodDisruptionBudget" not in rendered
+
+
+@pytest.mark.parametrize(("replicas", "has_pdb"), [(0, False), (1, False), (2, True), (5, True)])
+def test_disruption_budget_only_for_several_replicas(replicas, has_pdb):
+    rendered = children(make_spec(replicas=replicas))
+    assert ("PodDisruptionBudget" in rendered) is has_pdb
+    if has_pdb:
+        pdb = rendered["PodDisruptionBudget"]["spec"]
+        assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": render.selector_labels("tiny")}}
+
+
+def test_pod_monitor_when_enabled_and_its_crd_exists():
+    monitoring = {"podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}}
+    spec = make_spec(monitoring=monitoring)
+    monitor = children(spec)["PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"] == {"matchLabels": render.selector_labels("tiny")}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": "http", "path": "/metrics", "interval": "15s"}
+    assert endpoint["port"] == server_of(spec)["ports"][0]["name"]  # a PodMonitor must name a declared port
+    unsupported = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=False)
+    assert "PodMonitor" not in {child["kind"] for child in unsupported}
+    assert "PodMonitor" not in children(make_spec())
+
+
+def test_operator_labels_win_over_pod_monitor_labels():
+    monitoring = {"podMonitor": {"enabled": True, "labels": {"app.kubernetes.io/instance": "other"}}}
+    monitor = children(make_spec(monitoring=monitoring))["PodMonitor"]
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == "tiny"
+
+
+def test_external_target_has_no_children():
+    spec = Eagle3TargetSpec.parse({"endpoint": {"url": "https://target.example:8443/"}})
+    assert render.build_children("ext", "ml", UID, spec, pod_monitor_supported=True) == []
+    assert render.service_url("ext", "ml", spec) == "https://target.example:8443"
+
+
+def test_children_do_not_share_mutable_parts():
+    rendered = render.build_children("tiny", "ml", UID, make_spec(replicas=2), pod_monitor_supported=True)
+    rendered[0]["metadata"]["ownerReferences"][0]["name"] = "changed"
+    assert all(child["metadata"]["ownerReferences"][0]["name"] == "tiny" for child in rendered[1:])
+
+
+LONG_NAME = "a-very-long-target-name-for-a-llama-3.1-405b-instruct-fp8-target-in-the-research-namespace"
+
+
+@pytest.mark.parametrize("name", ["tiny", "x" * 63, "x" * 64, LONG_NAME, "8b-target", "llama-3.1-8b"])
+def test_names_fit_the_63_character_limit(name):
+    for child in children(
+        make_spec(replicas=2, monitoring={"podMonitor": {"enabled": True}}), name=name
+    ).values():
+        assert DNS_1035.match(child["metadata"]["name"]), child["metadata"]["name"]
+        assert len(child["metadata"]["name"]) <= 63
+        for value in child["metadata"]["labels"].values():
+            assert len(value) <= 63 and LABEL_VALUE.match(value)
+
+
+def test_short_valid_names_are_kept_and_others_get_a_hash():
+    assert render.service_name("tiny") == "tiny"
+    assert render.service_name("x" * 63) == "x" * 63
+    long = render.service_name(LONG_NAME)
+    assert long.startswith("a-very-long-target-name") and len(long) <= 63
+    assert render.service_name("llama-3.1-8b") != render.service_name(
+        "llama-3-1-8b"
+    )  # '.' is not a Service char
+    assert render.service_name("8b").startswith("e3t-8b-")
+
+
+@given(st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,120}[a-z0-9])?", fullmatch=True))
+def test_any_resource_name_maps_to_a_valid_stable_service_name(name):
+    service = render.service_name(name)
+    assert DNS_1035.match(service) and len(service) <= 63
+    assert service == render.service_name(name)
+    assert render.deployment_name(name) == render.pdb_name(name) == service
+
+
+@given(
+    st.from_regex(r"[a-z][-a-z0-9]{60,80}[a-z0-9]", fullmatch=True),
+    st.from_regex(r"[a-z][-a-z0-9]{60,80}[a-z0-9]", fullmatch=True),
+)
+def test_distinct_long_names_stay_distinct(first, second):
+    if first != second:
+        assert render.service_name(first) != render.service_name(second)
+
+
+def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):
+    """The API server's own validation accepts every rendered object (the PodMonitor needs its CRD, which this
+    cluster does not have, so it is left out)."""
+    spec = make_spec(
+        HF_SOURCE,
+        replicas=2,
+        tensorParallelSize=2,
+        auxLayerIds=[1, 2, 3],
+        maxModelLen=2048,
+        engineArgs={"gpu-memory-utilization": "0.9"},
+        resources={"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        auth={"tokenSecretRef": {"name": "token"}},
+        affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+    )
+    client = kubernetes.dynamic.DynamicClient(cluster.api_client)
+    rendered = render.build_children(LONG_NAME, namespace, UID, spec, pod_monitor_supported=False)
+    assert {child["kind"] for child in rendered} == {"Deployment", "Service", "PodDisruptionBudget"}
+    for child in rendered:
+        api = client.resources.get(api_version=child["apiVersion"], kind=child["kind"])
+        created = api.create(body=child, namespace=namespace, dry_run="All")
+        assert created.metadata.name == child["metadata"]["name"]

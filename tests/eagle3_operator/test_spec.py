@@ -1,0 +1,174 @@
+"""The typed spec mirrors the CRD field for field and default for default, and rejects bad specs readably."""
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
+from pydantic import BaseModel
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "eagle3targets.eagle3.dev.yaml"
+EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
+
+
+def crd_spec_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def pvc_spec(**extra: Any) -> dict[str, Any]:
+    return {"model": {"name": "tiny", "source": {"pvc": {"claimName": "models"}}}, **extra}
+
+
+def nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside `X`, `X | None` or `list[X]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) in (list, typing.Union):
+        for argument in typing.get_args(annotation):
+            found = nested_model(argument)
+            if found is not None:
+                return found
+    return None
+
+
+def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[str]:
+    """Every difference between a CRD object schema and a pydantic model: field names, defaults, nesting."""
+    fields = {field.alias: field for field in model.model_fields.values()}
+    problems = []
+    if set(schema["properties"]) != set(fields):
+        problems.append(f"{path}: CRD {sorted(schema['properties'])} != model {sorted(fields)}")
+    for name in set(schema["properties"]) & set(fields):
+        prop, field = schema["properties"][name], fields[name]
+        if "default" in prop and field.get_default(call_default_factory=True) != prop["default"]:
+            problems.append(f"{path}.{name}: CRD default {prop['default']!r} != model {field.default!r}")
+        sub_schema = prop.get("items", prop)
+        if "properties" in sub_schema:
+            sub_model = nested_model(field.annotation)
+            if sub_model is None:
+                problems.append(f"{path}.{name}: the CRD has an object here, the model does not")
+            else:
+                problems += compare(sub_schema, sub_model, f"{path}.{name}")
+        if name in schema.get("required", []) and not field.is_required():
+            problems.append(f"{path}.{name}: required in the CRD, optional in the model")
+    return problems
+
+
+def test_model_mirrors_the_crd_schema():
+    assert compare(crd_spec_schema(), Eagle3TargetSpec, "spec") == []
+
+
+def test_defaults_fill_in_like_the_crd():
+    spec = Eagle3TargetSpec.parse(pvc_spec())
+    assert (spec.engine, spec.replicas, spec.tensor_parallel_size, spec.port) == ("vllm", 1, 1, 8000)
+    assert spec.startup_timeout_seconds == 1800
+    assert spec.suspend is False and spec.external is False
+    assert spec.monitoring.pod_monitor.enabled is False
+    assert spec.model.trust_remote_code is False
+
+
+def test_accepts_snake_case_names_too():
+    spec = Eagle3TargetSpec.parse(
+        {**pvc_spec(), "tensor_parallel_size": 4, "engineArgs": {"enforce-eager": "true"}}
+    )
+    assert spec.tensor_parallel_size == 4
+    assert spec.engine_args == {"enforce-eager": "true"}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"pvc": {"claimName": "models", "subPath": "llama/8b"}},
+        {"hostPath": {"path": "/srv/models/tiny"}},
+        {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "hf-cache", "tokenSecretRef": {"name": "hf"}}},
+    ],
+)
+def test_each_model_source_parses(source):
+    spec = Eagle3TargetSpec.parse({"model": {"name": "tiny", "source": source}})
+    chosen = [name for name, value in spec.model.source if value is not None]
+    assert len(chosen) == 1
+
+
+def test_external_endpoint_needs_no_model():
+    spec = Eagle3TargetSpec.parse({"endpoint": {"url": "http://10.0.0.5:8000"}})
+    assert spec.external
+    assert spec.model is None
+
+
+def test_suspend_means_zero_pods():
+    assert Eagle3TargetSpec.parse(pvc_spec(replicas=3, suspend=True)).effective_replicas == 0
+    assert Eagle3TargetSpec.parse(pvc_spec(replicas=3)).effective_replicas == 3
+
+
+def test_hf_engine_may_run_without_gpus():
+    assert Eagle3TargetSpec.parse(pvc_spec(engine="hf", tensorParallelSize=0)).tensor_parallel_size == 0
+
+
+BAD_SPECS = {
+    "no source": (
+        {"model": {"name": "tiny"}},
+        "spec: model.source (pvc, hostPath or huggingFace) is required",
+    ),
+    "two sources": (
+        {"model": {"name": "t", "source": {"pvc": {"claimName": "m"}, "hostPath": {"path": "/m"}}}},
+        "spec.model.source: exactly one of pvc, hostPath, huggingFace",
+    ),
+    "empty source": ({"model": {"name": "t", "source": {}}}, "spec.model.source: exactly one of"),
+    "source and endpoint": (pvc_spec(endpoint={"url": "http://x:1"}), "mutually exclusive"),
+    "unknown engine": (pvc_spec(engine="trt"), "spec.engine: Input should be 'vllm' or 'hf'"),
+    "two aux layers": (pvc_spec(auxLayerIds=[1, 2]), "spec.auxLayerIds: must be exactly 3 distinct"),
+    "repeated aux layer": (pvc_spec(auxLayerIds=[1, 1, 2]), "spec.auxLayerIds: must be exactly 3 distinct"),
+    "negative aux layer": (pvc_spec(auxLayerIds=[-1, 1, 2]), "spec.auxLayerIds.0"),
+    "vllm without gpus": (pvc_spec(tensorParallelSize=0), "engine vllm needs GPUs"),
+    "privileged port": (pvc_spec(port=80), "spec.port: Input should be greater than or equal to 1024"),
+    "short startup budget": (pvc_spec(startupTimeoutSeconds=5), "spec.startupTimeoutSeconds"),
+    "reserved engine arg": (pvc_spec(engineArgs={"max_model_len": "4096"}), "use that field instead"),
+    "odd engine arg": (pvc_spec(engineArgs={"--x y": "1"}), "must be a flag name"),
+    "gpu in resources": (
+        pvc_spec(resources={"limits": {"nvidia.com/gpu": 2}}),
+        "comes from tensorParallelSize",
+    ),
+    "bad quantity": (
+        pvc_spec(resources={"requests": {"memory": "lots"}}),
+        "'lots' is not a Kubernetes quantity",
+    ),
+    "relative host path": ({"model": {"name": "t", "source": {"hostPath": {"path": "m"}}}}, "hostPath.path"),
+    "escaping sub path": (
+        {"model": {"name": "t", "source": {"pvc": {"claimName": "m", "subPath": "a/../../etc"}}}},
+        "spec.model.source.pvc.subPath: must not contain '..'",
+    ),
+    "bad hf repo": (
+        {"model": {"name": "t", "source": {"huggingFace": {"repo": "a b", "cacheClaimName": "c"}}}},
+        "spec.model.source.huggingFace.repo",
+    ),
+    "bad url": ({"endpoint": {"url": "ftp://x"}}, "spec.endpoint.url"),
+    "unknown field": (pvc_spec(gpus=2), "spec.gpus: Extra inputs are not permitted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_specs_are_rejected_readably(case):
+    raw, expected = BAD_SPECS[case]
+    with pytest.raises(InvalidSpec) as caught:
+        Eagle3TargetSpec.parse(raw)
+    assert expected in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(InvalidSpec) as caught:
+        Eagle3TargetSpec.parse(pvc_spec(port=1, replicas=-1))
+    assert "spec.port" in str(caught.value) and "spec.replicas" in str(caught.value)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_parse(path):
+    targets = [doc for doc in yaml.safe_load_all(path.read_text()) if doc and doc["kind"] == "Eagle3Target"]
+    assert targets
+    for target in targets:
+        Eagle3TargetSpec.parse(target["spec"])
