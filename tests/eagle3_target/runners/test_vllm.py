@@ -1,0 +1,358 @@
+"""The vLLM runner against a stand-in `vllm` (tests/eagle3_target/runners/fake_vllm.py) fed by real forwards.
+
+The reference is the HF runner on the same checkpoint. Tolerance: the models are fp32 and the rebuild
+applies the same RMSNorm and LM head formulas as transformers, so the only difference is matmul rounding:
+the stand-in runs each row unpadded (as vLLM does) while the HF runner runs the padded batch, and the two
+shapes accumulate in a different order. That measured at most 4e-6 here; we allow 1e-5.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from eagle3_target.runners import load_runner, model_info
+from eagle3_target.runners.checkpoint import load_head_weights, tensor_files
+from eagle3_target.runners.hf import HFRunner
+from eagle3_target.runners.vllm import (
+    ENGINE_ARG_PARSERS,
+    VLLMRunner,
+    capture_layer_ids,
+    file_positions,
+    vllm_engine_kwargs,
+)
+from eagle3_target.tiny import write_tiny_model
+from safetensors.torch import save_file
+
+ATOL = 1e-5
+HIDDEN = 64
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fake_vllm", Path(__file__).with_name("fake_vllm.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fake_vllm", module)  # dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    module.install(monkeypatch)
+    return module
+
+
+@pytest.fixture
+def shm(tmp_path) -> Path:
+    """Stands in for /dev/shm: the runner's capture files must all be gone after each call."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    return path
+
+
+def ragged_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three right-padded rows of lengths 11, 7 and 3 (padding ids are arbitrary, masked out)."""
+    gen = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, vocab_size, (3, 11), generator=gen)
+    lengths = torch.tensor([11, 7, 3])
+    mask = (torch.arange(11)[None, :] < lengths[:, None]).long()
+    return input_ids, mask
+
+
+def open_runner(model_dir: Path, shm: Path, **kwargs) -> VLLMRunner:
+    return VLLMRunner.from_pretrained(
+        model_dir, dtype="float32", device="cpu", hidden_states_dir=shm, **kwargs
+    )
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_matches_hf_runner_on_ragged_batch(model_dir, request, fake_vllm, shm):
+    path = request.getfixturevalue(model_dir)
+    aux = [5, 0, 3]  # not ascending: vLLM's file is, so the runner must restore this order
+    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=aux)
+    runner = open_runner(path, shm, aux_layer_ids=aux)
+    input_ids, mask = ragged_batch(hf.model.config.vocab_size)
+
+    logits, aux_states = runner.forward_eagle3(input_ids, mask)
+    final, aux_from_hidden = runner.forward_hidden(input_ids, mask)
+    hf_logits, hf_aux = hf.forward_eagle3(input_ids, mask)
+    hf_final, _ = hf.forward_hidden(input_ids, mask)
+
+    assert logits.shape == hf_logits.shape and aux_states.shape == (3, 11, 3 * HIDDEN)
+    valid = mask.bool()
+    torch.testing.assert_close(logits[valid], hf_logits[valid], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(aux_states[valid], hf_aux[valid], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(final[valid], hf_final[valid], atol=ATOL, rtol=ATOL)
+    assert torch.equal(aux_from_hidden, aux_states)
+    # Padding positions come back as zeros, not as whatever the engine would compute there.
+    assert not logits[~valid].any() and not aux_states[~valid].any() and not final[~valid].any()
+    assert list(shm.iterdir()) == [runner.hidden_states_dir]
+    assert not any(runner.hidden_states_dir.iterdir()), "capture files must be deleted after reading"
+    runner.close()
+
+
+def test_weights_and_model_info_match_hf(tiny_qwen3_dir, fake_vllm, shm):
+    hf = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
+    runner = open_runner(tiny_qwen3_dir, shm)
+    assert runner.aux_layer_ids == hf.aux_layer_ids == [1, 3, 4]
+    assert torch.equal(runner.input_embedding_weight(), hf.input_embedding_weight())
+    assert torch.equal(runner.lm_head_weight(), hf.lm_head_weight())  # tied: the input embeddings
+    assert torch.equal(runner.final_norm_weight(), hf.final_norm_weight())
+    assert model_info(runner) == model_info(hf)
+    runner.close()
+
+
+def test_one_generate_call_per_batch_and_waits_for_async_writes(tiny_llama_dir, fake_vllm, shm, monkeypatch):
+    runner = open_runner(tiny_llama_dir, shm)
+    llm = fake_vllm.LLM.created[-1]
+    # The connector writes after generate returns; reading without its lock would find no file.
+    llm.write_delay_s = 0.2
+    calls = []
+    real_generate = llm.generate
+    monkeypatch.setattr(
+        llm, "generate", lambda prompts, *a, **k: calls.append(prompts) or real_generate(prompts, *a, **k)
+    )
+    input_ids, mask = ragged_batch(256)
+    _, aux_states = runner.forward_eagle3(input_ids, mask)
+    assert [[len(p["prompt_token_ids"]) for p in prompts] for prompts in calls] == [[11, 7, 3]]
+    assert aux_states[0, :11].abs().sum() > 0
+    runner.close()
+
+
+def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fake_vllm, shm):
+    runner = VLLMRunner.from_pretrained(
+        tiny_llama_dir,
+        dtype=torch.float32,
+        device="cpu",
+        aux_layer_ids=[6, 1, 3],
+        hidden_states_dir=shm,
+        **{"gpu-memory-utilization": "0.6", "max_model_len": "512", "enforce_eager": "true"},
+    )
+    (llm,) = fake_vllm.LLM.created
+    assert llm.init_kwargs == {
+        "model": str(tiny_llama_dir),
+        "dtype": "float32",
+        "trust_remote_code": False,
+        "tensor_parallel_size": 1,
+        "enable_prefix_caching": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [7, 2, 4, 8]}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(runner.hidden_states_dir)},
+        },
+        "gpu_memory_utilization": 0.6,
+        "max_model_len": 512,
+        "enforce_eager": True,
+    }
+    assert runner.hidden_states_dir.parent == shm
+    assert runner._sampling_params.max_tokens == 1
+    runner.close()
+    assert not llm.llm_engine.engine_core.running
+    assert not runner.hidden_states_dir.exists()
+
+
+def test_load_runner_passes_engine_kwargs_through(tiny_llama_dir, fake_vllm, shm):
+    runner = load_runner(
+        "vllm", tiny_llama_dir, dtype="fp32", device="cpu", hidden_states_dir=str(shm), tensor_parallel_size=1
+    )
+    assert isinstance(runner, VLLMRunner)
+    assert fake_vllm.LLM.created[-1].init_kwargs["dtype"] == "float32"
+    runner.close()
+
+
+def test_set_aux_layers_restarts_engine_only_on_change(tiny_llama_dir, fake_vllm, shm):
+    runner = open_runner(tiny_llama_dir, shm)
+    first = fake_vllm.LLM.created[-1]
+    runner.set_aux_layers([1, 3, 4])
+    assert fake_vllm.LLM.created == [first]
+    runner.set_aux_layers([0, 2, 5])
+    second = fake_vllm.LLM.created[-1]
+    assert second is not first and not first.llm_engine.engine_core.running
+    assert second.capture_layers == (1, 3, 6, 8)
+    assert runner.aux_layer_ids == [0, 2, 5]
+    runner.close()
+
+
+def test_last_decoder_layer_is_refused(tiny_llama_dir, fake_vllm, shm):
+    with pytest.raises(ValueError, match=r"aux layer id 7 .*final pre-norm"):
+        open_runner(tiny_llama_dir, shm, aux_layer_ids=[1, 3, 7])
+    assert fake_vllm.LLM.created == []
+    assert list(shm.iterdir()) == [], "a failed start must not leave its capture directory behind"
+
+
+def test_model_without_eagle3_interface_is_refused_before_engine_start(
+    tiny_llama_dir, fake_vllm, shm, tmp_path
+):
+    model_dir = tmp_path / "gemma3-like"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["Gemma3ForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not implement the EAGLE-3 interface"):
+        open_runner(model_dir, shm)
+    assert fake_vllm.LLM.created == []
+
+
+def zero_layer(states, token_ids):
+    states = states.clone()
+    states[:, 1] = 0
+    return states, token_ids
+
+
+def nan_value(states, token_ids):
+    states = states.clone()
+    states[2, 0, 5] = float("nan")
+    return states, token_ids
+
+
+def drop_last_position(states, token_ids):
+    return states[:-1], token_ids[:-1]
+
+
+def other_tokens(states, token_ids):
+    return states, (token_ids + 1) % 256
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        (zero_layer, r"all-zero hidden states at file slot\(s\) \[1\]"),
+        (nan_value, r"non-finite"),
+        (drop_last_position, r"captured 10 positions .* for a 11-token prompt"),
+        (other_tokens, r"token_ids differ from the prompt"),
+    ],
+)
+def test_bad_captures_are_refused_and_files_removed(
+    tiny_llama_dir, fake_vllm, shm, monkeypatch, fault, message
+):
+    runner = open_runner(tiny_llama_dir, shm)
+    monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(fault))
+    input_ids, mask = ragged_batch(256)
+    with pytest.raises(RuntimeError, match=message):
+        runner.forward_eagle3(input_ids, mask)
+    assert not any(runner.hidden_states_dir.iterdir()), "every row's file must be removed after a failure"
+    # The engine keeps serving once the fault is gone.
+    monkeypatch.setattr(fake_vllm.LLM, "capture_fault", None)
+    _, aux_states = runner.forward_eagle3(input_ids, mask)
+    assert torch.isfinite(aux_states).all()
+    runner.close()
+
+
+def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
+    runner = open_runner(tiny_llama_dir, shm)
+    with pytest.raises(ValueError, match="right-padded"):
+        runner.forward_eagle3(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]))
+    runner.close()
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------------
+
+
+def test_capture_ids_and_file_order():
+    assert capture_layer_ids([1, 15, 28], 32) == [2, 16, 29, 32]
+    assert capture_layer_ids([28, 1, 15], 32) == [29, 2, 16, 32]
+    assert file_positions([29, 2, 16, 32]) == [2, 0, 1, 3]
+    with pytest.raises(ValueError, match="aux layer id 31"):
+        capture_layer_ids([1, 15, 31], 32)
+    with pytest.raises(ValueError, match="distinct"):
+        capture_layer_ids([1, 1, 2], 32)
+
+
+def test_engine_kwargs_are_typed():
+    assert vllm_engine_kwargs(
+        {
+            "gpu-memory-utilization": "0.85",
+            "max_model_len": "4096",
+            "tensor_parallel_size": 2,
+            "quantization": "fp8",
+            "enforce_eager": "off",
+            "compilation_config": '{"mode": 0}',
+            "hf_overrides": {"rope_theta": 10000},
+            "seed": "-1",
+        }
+    ) == {
+        "gpu_memory_utilization": 0.85,
+        "max_model_len": 4096,
+        "tensor_parallel_size": 2,
+        "quantization": "fp8",
+        "enforce_eager": False,
+        "compilation_config": {"mode": 0},
+        "hf_overrides": {"rope_theta": 10000},
+        "seed": -1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"max_model_lenn": "4096"},
+            r"unknown engine argument max_model_lenn \(did you mean max_model_len\?\)",
+        ),
+        ({"enable_prefix_caching": "true"}, r"set by the vLLM runner: prefix caching is kept off"),
+        ({"speculative_config": "{}"}, r"set by the vLLM runner"),
+        ({"gpu_memory_utilization": "1.5"}, r"gpu_memory_utilization='1.5': expected a fraction"),
+        ({"max_model_len": "4k"}, r"max_model_len='4k'"),
+        ({"max_model_len": "0"}, r"expected a positive integer"),
+        ({"tensor_parallel_size": True}, r"got a boolean"),
+        ({"enforce_eager": "maybe"}, r"expected a boolean"),
+        ({"compilation_config": "[1]"}, r"expected a JSON object"),
+        ({"max-model-len": "1", "max_model_len": "2"}, r"given twice"),
+    ],
+)
+def test_bad_engine_kwargs_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        vllm_engine_kwargs(args)
+
+
+def test_every_engine_arg_has_a_parser_for_its_cli_string():
+    samples = {"parse_fraction": "0.5", "parse_positive_int": "3", "int": "3", "float": "1.5", "str": "x"}
+    samples |= {"parse_bool": "true", "parse_json_object": "{}"}
+    for key, parser in ENGINE_ARG_PARSERS.items():
+        assert vllm_engine_kwargs({key: samples[parser.__name__]})[key] == parser(samples[parser.__name__])
+
+
+# ---- checkpoint reading ---------------------------------------------------------------------------------
+
+
+def test_sharded_checkpoint_head_weights_match_the_model(tmp_path):
+    model_dir = write_tiny_model(tmp_path / "sharded", arch="llama", num_layers=4, max_shard_size="20KB")
+    files = tensor_files(model_dir)
+    assert len(set(files.values())) > 1, "the checkpoint should be sharded"
+    hf = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu", aux_layer_ids=[0, 1, 2])
+    weights = load_head_weights(
+        model_dir,
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        tie_word_embeddings=False,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    assert torch.equal(weights.input_embeddings, hf.input_embedding_weight())
+    assert torch.equal(weights.lm_head, hf.lm_head_weight())
+    assert not torch.equal(weights.lm_head, weights.input_embeddings)
+    assert torch.equal(weights.final_norm, hf.final_norm_weight())
+
+
+def test_checkpoint_errors(tmp_path, tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match=r"neither model\.safetensors"):
+        tensor_files(tmp_path)
+    common = {"hidden_size": HIDDEN, "tie_word_embeddings": False, "dtype": torch.float32, "device": "cpu"}
+    with pytest.raises(ValueError, match=r"input embeddings has shape \(256, 64\), expected \(512, 64\)"):
+        load_head_weights(tiny_llama_dir, vocab_size=512, **common)
+    untied_without_head = tmp_path / "no-lm-head"
+    untied_without_head.mkdir()
+    weights = {"model.embed_tokens.weight": torch.zeros(256, HIDDEN), "model.norm.weight": torch.ones(HIDDEN)}
+    save_file(weights, untied_without_head / "model.safetensors")
+    with pytest.raises(ValueError, match="untied embeddings but no LM head"):
+        load_head_weights(untied_without_head, vocab_size=256, **common)
+    padded = load_head_weights(tiny_llama_dir, vocab_size=200, **common)
+    assert padded.lm_head.shape == (200, HIDDEN), "rows past vocab_size are padding and are trimmed"
