@@ -1,0 +1,70 @@
+"""`eagle3-operator`: run the kopf operator with the project's settings, a liveness endpoint and metrics.
+
+High availability is one replica with a Recreate strategy (the Helm chart's default) plus `--standalone`:
+kopf's peering is not leader election (operators of equal priority both pause), and a restarted operator
+converges on its own because every pass is level-based. `--peering NAME` is there for clusters that run a
+second, lower-priority standby; it needs the kopf peering CRD and RBAC for it.
+"""
+
+import logging
+from typing import Annotated
+
+import kopf
+import prometheus_client
+import typer
+
+from eagle3_operator import handlers
+from eagle3_operator.settings import OperatorConfig
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def run(
+    namespace: Annotated[
+        list[str] | None,
+        typer.Option("--namespace", "-n", help="namespace to serve (repeatable; globs allowed)"),
+    ] = None,
+    all_namespaces: Annotated[
+        bool, typer.Option("--all-namespaces", "-A", help="serve every namespace (cluster-wide)")
+    ] = False,
+    liveness: Annotated[
+        str, typer.Option(help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz; empty disables")
+    ] = "http://0.0.0.0:8080/healthz",
+    metrics_port: Annotated[int, typer.Option(help="port of /metrics (Prometheus); 0 disables")] = 8081,
+    metrics_address: Annotated[str, typer.Option(help="address /metrics binds to")] = "0.0.0.0",
+    standalone: Annotated[
+        bool, typer.Option("--standalone/--peering-auto", help="never pause for peers (single replica)")
+    ] = True,
+    peering: Annotated[
+        str | None, typer.Option(help="join this kopf peering object (implies --peering-auto)")
+    ] = None,
+    reprobe_seconds: Annotated[
+        float, typer.Option(min=0.2, help="how often target servers are re-probed")
+    ] = OperatorConfig.reprobe_seconds,
+    api_timeout_seconds: Annotated[
+        float, typer.Option(min=1, help="timeout of one Kubernetes API request")
+    ] = OperatorConfig.api_timeout_seconds,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
+) -> None:
+    """Reconcile Eagle3Target resources into target-server Deployments and publish their status."""
+    if bool(namespace) == all_namespaces:
+        raise typer.BadParameter("pass --namespace (repeatable) or --all-namespaces, exactly one of them")
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if metrics_port:
+        prometheus_client.start_http_server(metrics_port, addr=metrics_address)
+    config = OperatorConfig(reprobe_seconds=reprobe_seconds, api_timeout_seconds=api_timeout_seconds)
+    kopf.run(
+        registry=handlers.registry,
+        clusterwide=all_namespaces,
+        namespaces=namespace or (),
+        standalone=standalone and peering is None,
+        peering_name=peering,
+        liveness_endpoint=liveness or None,
+        memo=kopf.Memo(config=config),
+    )
+
+
+def main() -> None:
+    app()

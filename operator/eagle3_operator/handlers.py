@@ -1,0 +1,165 @@
+"""kopf wiring: index the targets, their children and their pods; turn every change into a reconcile request.
+
+Why event handlers and not on.create/on.update/on.resume: the reconcile is level-based (it renders and
+compares everything each pass), so it only needs to know *that* something changed. Event handlers see
+creation, every update and, at startup, every existing object (resume), and kopf stores nothing for them:
+no `last-handled-configuration` annotation, no progress annotations, no finalizer. Deleting a target
+therefore never waits for the operator; owner references let Kubernetes collect the children. The periodic
+re-probe is an asyncio task, not a kopf timer, for the same reason (timers add a finalizer).
+
+kopf delivers events only after every index is fully listed, so a pass never sees a half-built view.
+"""
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from eagle3_operator.kube import KubeApi
+from eagle3_operator.probe import Prober
+from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
+from eagle3_operator.render import GROUP, KIND, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
+from eagle3_operator.settings import OperatorConfig, configure
+from eagle3_operator.status import deployment_view, pod_view
+
+MANAGED = {LABEL_MANAGED_BY: MANAGER}
+# The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
+registry = kopf.OperatorRegistry()
+# The child kinds the operator creates, as kopf resource selectors.
+CHILD_RESOURCES = {
+    "deployments": ("apps", "v1", "deployments"),
+    "services": ("v1", "services"),
+    "poddisruptionbudgets": ("policy", "v1", "poddisruptionbudgets"),
+}
+
+
+@dataclass
+class Runtime:
+    """What the handlers share, kept in kopf's memo."""
+
+    api: KubeApi
+    prober: Prober
+    reconciler: Reconciler
+    reprobe: asyncio.Task[None]
+
+
+@kopf.on.startup(registry=registry)
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Configure kopf and build the reconciler over the indexes (kopf passes them by handler id)."""
+    config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
+    configure(settings, config)
+    api = await KubeApi.connect(config.api_timeout_seconds)
+    prober = Prober()
+    reconciler = Reconciler(
+        api,
+        prober,
+        targets=kwargs["target_index"],
+        children=[kwargs[f"{plural}_index"] for plural in CHILD_RESOURCES],
+        pods=kwargs["pod_index"],
+    )
+    reprobe = asyncio.create_task(reconciler.reprobe_forever(config.reprobe_seconds))
+    memo.runtime = Runtime(api, prober, reconciler, reprobe)
+
+
+@kopf.on.cleanup(registry=registry)
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime = memo.runtime
+    runtime.reprobe.cancel()
+    await runtime.prober.close()
+    await runtime.api.close()
+
+
+@kopf.on.probe(id="targets", registry=registry)
+def known_targets(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness detail: how many targets this operator tracks."""
+    return memo.runtime.reconciler.known_targets
+
+
+@kopf.index(GROUP, VERSION, PLURAL, registry=registry)
+def target_index(
+    namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> dict[TargetKey, Any]:
+    snapshot = TargetSnapshot(
+        uid=meta["uid"],
+        generation=meta.get("generation", 0),
+        resource_version=meta.get("resourceVersion", ""),
+        spec=copy.deepcopy(dict(body.get("spec") or {})),
+        status=copy.deepcopy(dict(body.get("status") or {})),
+        deleting=meta.get("deletionTimestamp") is not None,
+    )
+    return {(namespace, name): snapshot}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    reconciler: Reconciler = memo.runtime.reconciler
+    if not reconciler.is_own_write((namespace, name), meta.get("resourceVersion", "")):
+        reconciler.request((namespace, name))
+
+
+@kopf.index("v1", "pods", labels=MANAGED, registry=registry)
+def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+    instance = labels.get(LABEL_INSTANCE)
+    return {(namespace, instance): pod_view(body)} if instance else {}
+
+
+@kopf.on.event("v1", "pods", labels=MANAGED, registry=registry)
+def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    instance = labels.get(LABEL_INSTANCE)
+    if instance:
+        memo.runtime.reconciler.request_instance(namespace, instance)
+
+
+def _owner(meta: kopf.Meta) -> tuple[str, str] | None:
+    """The controlling Eagle3Target's (name, uid), if this object is one of a target's children."""
+    for ref in meta.get("ownerReferences") or []:
+        if (
+            ref.get("kind") == KIND
+            and ref.get("controller")
+            and ref.get("apiVersion", "").startswith(f"{GROUP}/")
+        ):
+            return ref["name"], ref["uid"]
+    return None
+
+
+def _child_index(namespace: str, meta: kopf.Meta, body: kopf.Body) -> dict[TargetKey, Any]:
+    owner = _owner(meta)
+    if owner is None:
+        return {}
+    raw = dict(body)
+    state = ChildState(
+        api_version=raw["apiVersion"],
+        kind=raw["kind"],
+        name=meta["name"],
+        uid=meta["uid"],
+        resource_version=meta.get("resourceVersion", ""),
+        owner_uid=owner[1],
+        essence=copy.deepcopy(essence(raw)),
+        deployment=deployment_view(raw) if raw["kind"] == "Deployment" else None,
+    )
+    return {(namespace, owner[0]): state}
+
+
+def _child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo) -> None:
+    owner = _owner(meta)
+    if owner is not None:
+        memo.runtime.reconciler.request((namespace, owner[0]))
+
+
+def _register_child(plural: str, selector: tuple[str, ...]) -> None:
+    """An index and a change trigger for one child kind (same shape for every kind)."""
+
+    def index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+        return _child_index(namespace, meta, body)
+
+    def changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+        _child_changed(namespace, meta, memo)
+
+    kopf.index(*selector, id=f"{plural}_index", labels=MANAGED, registry=registry)(index)
+    kopf.on.event(*selector, id=f"{plural}_changed", labels=MANAGED, registry=registry)(changed)
+
+
+for _plural, _selector in CHILD_RESOURCES.items():
+    _register_child(_plural, _selector)

@@ -1,0 +1,188 @@
+"""Every Kubernetes API call the operator makes (reads come from kopf's watches, not from here).
+
+Children are written with server-side apply under one field manager, so applying the full desired object
+is idempotent and takes back any field someone else changed. The status is written with a JSON merge patch
+of only the keys that changed. All calls are async (kubernetes' aiohttp client), bounded by a timeout, and
+counted in the operator's metrics.
+"""
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from kubernetes.aio import client as aio_client
+from kubernetes.aio import config as aio_config
+
+from eagle3_operator import metrics
+from eagle3_operator.render import GROUP, KIND, PLURAL, VERSION
+
+FIELD_MANAGER = "eagle3-operator"
+REQUEST_TIMEOUT_SECONDS = 15.0
+
+# The kinds the operator owns, by (apiVersion, kind) → plural.
+CHILD_PLURALS = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("v1", "Service"): "services",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+}
+
+
+class KubeError(Exception):
+    """An API call answered with an error status (or not at all)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    namespace: str
+    name: str
+    uid: str
+
+
+def collection_path(api_version: str, plural: str, namespace: str) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
+    return f"{collection_path(api_version, CHILD_PLURALS[api_version, kind], namespace)}/{quote(name)}"
+
+
+class KubeApi:
+    def __init__(self, api_client: aio_client.ApiClient, timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
+        self._api = api_client
+        self._timeout = timeout
+        self._discovered: dict[str, bool] = {}
+
+    @classmethod
+    async def connect(cls, timeout: float = REQUEST_TIMEOUT_SECONDS) -> "KubeApi":
+        """In a pod: its ServiceAccount. Elsewhere: $KUBECONFIG (or ~/.kube/config)."""
+        configuration = aio_client.Configuration()
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            aio_config.load_incluster_config(client_configuration=configuration)
+        else:
+            await aio_config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+            )
+        return cls(aio_client.ApiClient(configuration), timeout)
+
+    async def close(self) -> None:
+        await self._api.close()
+
+    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply of a whole child; force, because the operator is the only owner of its fields."""
+        metadata = manifest["metadata"]
+        path = object_path(manifest["apiVersion"], manifest["kind"], metadata["namespace"], metadata["name"])
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return await self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete one child, only if it is still the object observed (uid precondition); gone is fine."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            await self._request("DELETE", object_path(api_version, kind, namespace, name), [], body)
+        except KubeError as error:
+            if error.status not in (404, 409):
+                raise
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        path = f"{collection_path(f'{GROUP}/{VERSION}', PLURAL, namespace)}/{quote(name)}/status"
+        query = [("fieldManager", FIELD_MANAGER)]
+        return await self._request("PATCH", path, query, {"status": patch}, "application/merge-patch+json")
+
+    async def post_event(self, target: TargetRef, type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the target (what `kubectl describe e3t` shows)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{target.name}.", "namespace": target.namespace},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": target.name,
+                "namespace": target.namespace,
+                "uid": target.uid,
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await self._request("POST", collection_path("v1", "events", target.namespace), [], event)
+
+    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
+        """One decoded key of a Secret, or None if the Secret or key is missing."""
+        try:
+            secret = await self._request(
+                "GET", f"{collection_path('v1', 'secrets', namespace)}/{quote(name)}"
+            )
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+        value = (secret.get("data") or {}).get(key)
+        return base64.b64decode(value).decode().strip() if value is not None else None
+
+    async def serves(self, group_version: str) -> bool:
+        """Whether the API server serves an API group version (e.g. monitoring.coreos.com/v1); cached."""
+        if group_version not in self._discovered:
+            try:
+                await self._request("GET", f"/apis/{group_version}")
+                self._discovered[group_version] = True
+            except KubeError as error:
+                if error.status != 404:
+                    raise
+                self._discovered[group_version] = False
+        return self._discovered[group_version]
+
+    def forget_discovery(self) -> None:
+        """Look again next time: a CRD may have been installed since."""
+        self._discovered.clear()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        query: list[tuple[str, str]] | None = None,
+        body: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        metrics.API_REQUESTS.labels(method=method).inc()
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        try:
+            prepared = await self._api.param_serialize(
+                method,
+                path,
+                query_params=query or [],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+            )
+            response = await self._api.call_api(*prepared, _request_timeout=self._timeout)
+            data = await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError, aio_client.ApiException) as error:
+            raise KubeError(0, f"{method} {path}: {type(error).__name__}: {error}") from error
+        if response.status >= 400:
+            raise KubeError(response.status, f"{method} {path}: {_reason(data)}")
+        return json.loads(data) if data else {}
+
+
+def _reason(data: bytes) -> str:
+    try:
+        return json.loads(data).get("message") or data.decode(errors="replace")
+    except ValueError:
+        return data.decode(errors="replace")[:500]
