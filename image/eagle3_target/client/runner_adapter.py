@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from eagle3_target.client.supervision import logits_from_hidden
 from eagle3_target.contract import validate_aux_layer_ids
+from eagle3_target.formats import logits_from_hidden
 
 if TYPE_CHECKING:
     from eagle3_target.client.target_client import TargetClient

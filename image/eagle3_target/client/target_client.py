@@ -22,12 +22,13 @@ from eagle3_target.client.endpoints import EndpointPool
 from eagle3_target.client.errors import FingerprintChanged, RequestRejected, ResolveError, TargetUnavailable
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.resolve import ResolvedTarget, api_client_from_environment, resolve
-from eagle3_target.client.supervision import NEEDS_VOCAB, batch_from_supervision
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
+from eagle3_target.formats import batch_from_supervision
 from eagle3_target.wire.tensors import decode, encode
 
 RETRYABLE_STATUS = (429, 503)
 WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
+NEEDS_VOCAB = ("draft", "probs")
 
 
 class TargetClient:
@@ -196,7 +197,7 @@ class TargetClient:
             attention_mask.to(device),
             loss_mask.to(device),
             mapping=mapping,
-            lm_head=lm_head,
+            lm_head_weight=lm_head,
         )
 
     def prefetch(
