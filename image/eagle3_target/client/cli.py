@@ -1,0 +1,40 @@
+"""`eagle3-target resolve`: print where a named target is served, for scripts and humans."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+
+class Output(StrEnum):
+    json = "json"
+    urls = "urls"
+
+
+def resolve_command(
+    name: Annotated[str, typer.Argument(help="Eagle3Target name")],
+    namespace: Annotated[
+        str | None,
+        typer.Option("--namespace", "-n", help="default: the kubeconfig's (or the pod's) namespace"),
+    ] = None,
+    wait: Annotated[float, typer.Option(min=0, help="seconds to wait for Ready; 0 checks once")] = 0.0,
+    output: Annotated[
+        Output, typer.Option("--output", "-o", help="json, or urls (one per line)")
+    ] = Output.json,
+    kubeconfig: Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")] = None,
+) -> None:
+    """Resolve an Eagle3Target: its URL, ready endpoints, model and fingerprint, once Ready."""
+    from eagle3_target.client import ClientError, resolve
+
+    try:
+        target = resolve(name, namespace, wait, kubeconfig=kubeconfig)
+    except ClientError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if output is Output.urls:
+        typer.echo("\n".join(target.urls))
+    else:
+        typer.echo(json.dumps(target.to_dict(), indent=2))

@@ -1,0 +1,265 @@
+"""resolve() against a real kube-apiserver: the test plays the operator by writing status itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import kubernetes
+import pytest
+import yaml
+from eagle3_target.client import (
+    ResolvedTarget,
+    ResolveTimeout,
+    TargetAccessForbidden,
+    TargetCRDMissing,
+    TargetNotFound,
+    resolve,
+)
+from eagle3_target.client.resolve import EAGLE3_TARGET, TargetResource, readiness
+from kubernetes.client.rest import ApiException
+
+REPO = Path(__file__).resolve().parents[3]
+CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
+GROUP, VERSION, PLURAL = EAGLE3_TARGET.group, EAGLE3_TARGET.version, EAGLE3_TARGET.plural
+MODEL_STATUS = {
+    "name": "tiny-llama",
+    "revision": "r1",
+    "dtype": "float32",
+    "engine": "hf",
+    "numHiddenLayers": 8,
+    "hiddenSize": 64,
+    "vocabSize": 256,
+    "auxLayerIds": [1, 3, 4],
+    "fingerprint": "fp-123",
+}
+
+
+@pytest.fixture(scope="module")
+def crd(cluster) -> None:
+    """The Eagle3Target CRD, installed once if absent and Established."""
+    api = kubernetes.client.ApiextensionsV1Api(cluster.api_client)
+    manifest = yaml.safe_load(CRD_FILE.read_text())
+    try:
+        api.create_custom_resource_definition(manifest)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", f"crd/{manifest['metadata']['name']}"
+    )
+
+
+@pytest.fixture
+def objects(cluster, crd) -> kubernetes.client.CustomObjectsApi:
+    return kubernetes.client.CustomObjectsApi(cluster.api_client)
+
+
+def create_target(objects, namespace: str, name: str) -> dict:
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Eagle3Target",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny"}}},
+            "engine": "hf",
+        },
+    }
+    return objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+
+def write_status(objects, namespace: str, name: str, status: dict) -> None:
+    objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
+
+def status(
+    generation: int, ready: str, reason: str, *, ready_generation: int | None = None, port: int = 8000
+) -> dict:
+    condition_generation = generation if ready_generation is None else ready_generation
+    return {
+        "observedGeneration": generation,
+        "phase": "Ready" if ready == "True" else "Loading",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": ready,
+                "reason": reason,
+                "message": f"{reason} at generation {generation}",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+                "observedGeneration": condition_generation,
+            }
+        ],
+        "url": f"http://tiny.ns.svc:{port}",
+        "endpoints": [
+            {"pod": "tiny-0", "address": f"http://127.0.0.2:{port}", "ready": True, "node": "n0"},
+            {"pod": "tiny-1", "address": f"http://127.0.0.3:{port}", "ready": False, "node": "n1"},
+        ],
+        "model": MODEL_STATUS,
+    }
+
+
+def still_waiting(thread: threading.Thread) -> bool:
+    """A correct resolve() never returns on a status that is not Ready for the current generation."""
+    thread.join(timeout=0.5)
+    return thread.is_alive()
+
+
+def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace, objects):
+    create_target(objects, namespace, "tiny")
+    write_status(objects, namespace, "tiny", status(1, "False", "ModelLoading"))
+    # Bump the generation: from now on, a status written for generation 1 is stale.
+    objects.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "tiny", {"spec": {"replicas": 2}}
+    )
+    results: list[ResolvedTarget | BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(resolve("tiny", namespace, wait=60, kubeconfig=str(cluster.kubeconfig)))
+        except BaseException as exc:
+            results.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    assert still_waiting(waiter)
+    write_status(objects, namespace, "tiny", status(1, "True", "Serving", port=1111))  # Ready, but for gen 1
+    assert still_waiting(waiter)
+    write_status(objects, namespace, "tiny", status(2, "True", "Serving", ready_generation=1, port=2222))
+    assert still_waiting(waiter)
+    write_status(objects, namespace, "tiny", status(2, "False", "RollingUpdate", port=3333))
+    assert still_waiting(waiter)
+    write_status(objects, namespace, "tiny", status(2, "True", "Serving", port=4444))
+    waiter.join(timeout=60)
+    [target] = results
+    assert isinstance(target, ResolvedTarget), target
+    assert (target.name, target.namespace, target.generation) == ("tiny", namespace, 2)
+    assert target.endpoints == ("http://127.0.0.2:4444",)  # the not-ready pod is left out
+    assert target.url == "http://tiny.ns.svc:4444"
+    assert target.urls == target.endpoints
+    assert target.fingerprint == "fp-123"
+    assert target.model.aux_layer_ids == (1, 3, 4)
+    assert target.model.num_hidden_layers == 8
+
+
+def test_timeout_names_the_last_reason(cluster, namespace, objects):
+    create_target(objects, namespace, "slow")
+    write_status(objects, namespace, "slow", status(1, "False", "ModelLoading"))
+    with pytest.raises(ResolveTimeout, match="ModelLoading"):
+        resolve("slow", namespace, wait=1, kubeconfig=str(cluster.kubeconfig))
+    objects.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "slow", {"spec": {"replicas": 3}}
+    )
+    with pytest.raises(ResolveTimeout, match="stale"):
+        resolve("slow", namespace, wait=0, kubeconfig=str(cluster.kubeconfig))
+
+
+def test_missing_resource(cluster, namespace, objects):
+    with pytest.raises(TargetNotFound, match="'absent' not found"):
+        resolve("absent", namespace, wait=5, kubeconfig=str(cluster.kubeconfig))
+
+
+def test_missing_crd(cluster, namespace, objects):
+    with pytest.raises(TargetCRDMissing, match="CRD installed"):
+        resolve(
+            "t", namespace, resource=TargetResource(group="absent.eagle3.dev"), api_client=cluster.api_client
+        )
+    with pytest.raises(TargetCRDMissing):
+        resolve(
+            "t", namespace, resource=TargetResource(plural="absenttargets"), api_client=cluster.api_client
+        )
+
+
+def test_forbidden(cluster, namespace, objects, tmp_path):
+    create_target(objects, namespace, "secret")
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "trainer"}})
+    kubeconfig = cluster.write_service_account_kubeconfig(namespace, "trainer", tmp_path / "kubeconfig")
+    with pytest.raises(TargetAccessForbidden, match="system:serviceaccount"):
+        resolve("secret", wait=0, kubeconfig=str(kubeconfig))  # namespace from the kubeconfig context
+
+
+def test_deleted_while_waiting(cluster, namespace, objects):
+    create_target(objects, namespace, "gone")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            resolve("gone", namespace, wait=60, kubeconfig=str(cluster.kubeconfig))
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    assert still_waiting(waiter)
+    objects.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gone")
+    waiter.join(timeout=60)
+    [error] = errors
+    assert isinstance(error, TargetNotFound)
+
+
+def test_cli_prints_json_and_urls(cluster, namespace, objects):
+    create_target(objects, namespace, "tiny")
+    write_status(objects, namespace, "tiny", status(1, "True", "Serving", port=5555))
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    cli = [
+        str(Path(sys.executable).parent / "eagle3-target"),
+        "resolve",
+        "tiny",
+        "-n",
+        namespace,
+        "--wait",
+        "10",
+    ]
+    as_json = subprocess.run([*cli, "-o", "json"], capture_output=True, text=True, env=env, check=True)
+    printed = json.loads(as_json.stdout)
+    assert printed["endpoints"] == ["http://127.0.0.2:5555"]
+    assert printed["fingerprint"] == "fp-123"
+    assert printed["model"]["vocab_size"] == 256
+    as_urls = subprocess.run([*cli, "-o", "urls"], capture_output=True, text=True, env=env, check=True)
+    assert as_urls.stdout.split() == ["http://127.0.0.2:5555"]
+    missing = subprocess.run(
+        [*cli[:2], "absent", "-n", namespace, "--wait", "0"], capture_output=True, text=True, env=env
+    )
+    assert missing.returncode != 0
+    assert "'absent' not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("obj", "ready", "why"),
+    [
+        ({"metadata": {"generation": 1}}, False, "no Ready condition"),
+        (
+            {"metadata": {"generation": 2}, "status": status(1, "True", "Serving")},
+            False,
+            "observedGeneration=1",
+        ),
+        (
+            {"metadata": {"generation": 2}, "status": status(2, "True", "Serving", ready_generation=1)},
+            False,
+            "Ready condition is stale",
+        ),
+        (
+            {"metadata": {"generation": 2}, "status": status(2, "False", "CrashLoopBackOff")},
+            False,
+            "CrashLoopBackOff",
+        ),
+        (
+            {
+                "metadata": {"generation": 2},
+                "status": status(2, "True", "Serving") | {"url": None, "endpoints": []},
+            },
+            False,
+            "neither status.url",
+        ),
+        ({"metadata": {"generation": 2}, "status": status(2, "True", "Serving")}, True, "Serving"),
+    ],
+)
+def test_readiness_rules(obj, ready, why):
+    got_ready, got_why = readiness(obj)
+    assert got_ready is ready
+    assert why in got_why
