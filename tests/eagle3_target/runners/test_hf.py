@@ -1,0 +1,149 @@
+"""The HF runner against a plain transformers forward on the same tiny checkpoints."""
+
+import pytest
+import torch
+from eagle3_target.runners import TargetRunner, load_runner, model_info
+from eagle3_target.runners.hf import HFRunner
+from transformers import AutoModelForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_dir"])
+def model_dir(request):
+    return request.getfixturevalue(request.param)
+
+
+def _ids(batch=2, seq=12, seed=0, vocab=256):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_eagle3_equals_a_plain_forward_with_hidden_states(model_dir, dtype):
+    runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu", aux_layer_ids=[6, 0, 3])
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    logits, aux = runner.forward_eagle3(ids, mask)
+    with torch.no_grad():
+        out = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    expected_aux = torch.cat([out.hidden_states[i + 1] for i in (6, 0, 3)], dim=-1)
+    assert aux.dtype == DTYPES[dtype] and logits.dtype == out.logits.dtype
+    assert aux.shape == (2, 12, 3 * 64) and logits.shape == (2, 12, 256)
+    assert torch.equal(aux, expected_aux)
+    assert torch.equal(logits, out.logits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_hidden_gives_the_normed_final_state_that_the_lm_head_turns_into_the_logits(model_dir, dtype):
+    runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu")
+    ids = _ids(seed=1)
+    logits, aux = runner.forward_eagle3(ids)
+    final, aux_again = runner.forward_hidden(ids)
+    assert final.shape == (2, 12, 64) and final.dtype == DTYPES[dtype]
+    assert torch.equal(aux, aux_again)
+    assert torch.equal(torch.nn.functional.linear(final, runner.lm_head_weight()), logits)
+    # The final state is the final norm applied to the last decoder layer's output, not that output itself.
+    with torch.no_grad():
+        last = runner.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    assert torch.equal(final, last)
+
+
+def test_right_padding_leaves_the_real_positions_unchanged(model_dir):
+    runner = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu")
+    lengths = [12, 7, 3]
+    ids = _ids(batch=3, seed=2)
+    mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).long()
+    padded_logits, padded_aux = runner.forward_eagle3(ids, mask)
+    padded_final, _ = runner.forward_hidden(ids, mask)
+    for row, n in enumerate(lengths):
+        alone_logits, alone_aux = runner.forward_eagle3(ids[row : row + 1, :n])
+        alone_final, _ = runner.forward_hidden(ids[row : row + 1, :n])
+        torch.testing.assert_close(padded_logits[row, :n], alone_logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded_aux[row, :n], alone_aux[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded_final[row, :n], alone_final[0], rtol=1e-5, atol=1e-5)
+
+
+def test_default_aux_layers_and_set_aux_layers(tiny_llama_dir):
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
+    assert runner.aux_layer_ids == [1, 3, 4]
+    ids = _ids(batch=1, seq=5)
+    _, default_aux = runner.forward_eagle3(ids)
+    runner.set_aux_layers([4, 3, 1])
+    _, reordered = runner.forward_eagle3(ids)
+    assert torch.equal(
+        reordered, torch.cat([default_aux[..., 128:], default_aux[..., 64:128], default_aux[..., :64]], -1)
+    )
+    with pytest.raises(ValueError, match="out of range"):
+        runner.set_aux_layers([1, 2, 8])
+    assert runner.aux_layer_ids == [4, 3, 1]
+
+
+def test_weights_tied_and_untied(tiny_llama_dir, tiny_qwen3_dir):
+    untied = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
+    tied = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
+    for runner in (untied, tied):
+        assert runner.input_embedding_weight().shape == (256, 64)
+        assert runner.lm_head_weight().shape == (256, 64)
+        assert runner.final_norm_weight().shape == (64,)
+    assert not torch.equal(untied.lm_head_weight(), untied.input_embedding_weight())
+    assert torch.equal(tied.lm_head_weight(), tied.input_embedding_weight())
+
+
+def test_model_info_and_protocol(tiny_qwen3_dir):
+    runner = load_runner("hf", tiny_qwen3_dir, dtype="bfloat16", device="cpu", aux_layer_ids=[0, 2, 7])
+    assert isinstance(runner, TargetRunner)
+    info = model_info(runner)
+    assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (8, 64, 256)
+    assert info.dtype == torch.bfloat16 and info.device.type == "cpu"
+    assert runner.aux_layer_ids == [0, 2, 7]
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_dir, tmp_path):
+    assert (tiny_llama_dir / "model.safetensors.index.json").is_file()
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    reference.save_pretrained(tmp_path)  # one file
+    assert (tmp_path / "model.safetensors").is_file()
+    single = HFRunner.from_pretrained(tmp_path, dtype="float32", device="cpu")
+    ids = _ids(batch=1, seq=6)
+    assert torch.equal(runner.forward_eagle3(ids)[0], single.forward_eagle3(ids)[0])
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "match"),
+    [
+        (torch.tensor([[1, 256]]), None, r"\[0, 256\)"),
+        (torch.tensor([[-1, 2]]), None, r"\[0, 256\)"),
+        (torch.tensor([[1.0, 2.0]]), None, "integers"),
+        (torch.tensor([1, 2]), None, r"\[B, S\]"),
+        (torch.zeros(1, 0, dtype=torch.long), None, "non-empty"),
+        (torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 1]]), "right-padded"),
+        (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 0, 1]]), "right-padded"),
+        (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 0]]), "only 0 and 1"),
+        (torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1]]), "shape"),
+    ],
+)
+def test_bad_inputs_are_refused_before_the_forward(tiny_llama_dir, ids, mask, match):
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=match):
+        runner.forward_eagle3(ids, mask)
+    with pytest.raises(ValueError, match=match):
+        runner.forward_hidden(ids, mask)
+
+
+def test_loading_errors(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json"):
+        HFRunner.from_pretrained(tmp_path, device="cpu")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        HFRunner.from_pretrained(tiny_llama_dir, dtype="float7", device="cpu")
+    with pytest.raises(ValueError, match="unknown engine"):
+        load_runner("sglang", tiny_llama_dir, dtype="float32")
+    with pytest.raises(ValueError, match="no engine arguments"):
+        load_runner("hf", tiny_llama_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.5)
+
+
+def test_close_releases_the_weights(tiny_qwen3_dir):
+    runner = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
+    runner.close()
+    assert all(p.device.type == "meta" for p in runner.model.parameters())
