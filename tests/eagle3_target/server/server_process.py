@@ -1,0 +1,85 @@
+"""Runs ``eagle3-target serve`` as a real subprocess on a loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def serve_command() -> list[str]:
+    exe = shutil.which("eagle3-target", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "eagle3_target.cli"]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_until(self, path: str, status: int, timeout: float = 180.0, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                last = httpx.get(self.url + path, headers=headers, timeout=5).status_code
+                if last == status:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{path} never answered {status} (last {last}):\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_server(
+    log_dir: Path, args: list[str], env: dict[str, str] | None = None, wait_ready: bool = True
+) -> ServerProcess:
+    """Start a server on a free loopback port; by default wait until /readyz says 200."""
+    port = free_port()
+    log_path = log_dir / f"server-{port}.log"
+    full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [*serve_command(), "serve", "--host", LOOPBACK, "--port", str(port), *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+    server = ServerProcess(f"http://{LOOPBACK}:{port}", process, log_path)
+    try:
+        server.wait_until("/healthz", 200)
+        if wait_ready:
+            server.wait_until("/readyz", 200)
+    except BaseException:
+        server.stop()
+        raise
+    return server
