@@ -8,10 +8,8 @@ shapes accumulate in a different order. That measured at most 4e-6 here; we allo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -30,19 +28,17 @@ from eagle3_target.runners.vllm import (
 from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import save_file
 
+from tests.eagle3_target.runners import fake_vllm as stand_in
+
 ATOL = 1e-5
 HIDDEN = 64
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fake_vllm", Path(__file__).with_name("fake_vllm.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "fake_vllm", module)  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    module.install(monkeypatch)
-    return module
+    """`vllm` is the stand-in for the duration of the test (the runner imports it lazily)."""
+    stand_in.install(monkeypatch)
+    return stand_in
 
 
 @pytest.fixture
