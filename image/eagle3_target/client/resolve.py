@@ -144,22 +144,24 @@ def readiness(obj: dict[str, Any]) -> tuple[bool, str]:
         )
     if ready.get("status") != "True":
         return False, state
-    if not resolved_from(obj).urls:
+    if not (ready_endpoints(status) or status.get("url")):
         return False, "Ready but neither status.url nor a ready endpoint is published"
     return True, state
 
 
+def ready_endpoints(status: dict[str, Any]) -> tuple[str, ...]:
+    endpoints = status.get("endpoints") or []
+    return tuple(e["address"] for e in endpoints if e.get("ready") and e.get("address"))
+
+
 def resolved_from(obj: dict[str, Any]) -> ResolvedTarget:
     status = obj.get("status") or {}
-    endpoints = tuple(
-        e["address"] for e in status.get("endpoints") or [] if e.get("ready") and e.get("address")
-    )
     return ResolvedTarget(
         name=obj["metadata"]["name"],
         namespace=obj["metadata"]["namespace"],
         generation=obj["metadata"].get("generation", 0),
         url=status.get("url"),
-        endpoints=endpoints,
+        endpoints=ready_endpoints(status),
         model=ModelInfo.from_status(status.get("model") or {}),
     )
 

@@ -1,0 +1,186 @@
+"""TargetClient against real target servers on loopback, compared with the in-process HF backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClient, TargetUnavailable
+from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
+
+from tests.eagle3_target.client.helpers import token_batch
+from tests.eagle3_target.server.server_process import free_port
+
+FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
+
+
+def draft_mapping(vocab: int = 256, draft: int = 96) -> VocabMapping:
+    return VocabMapping.from_selected_ids(
+        torch.randperm(vocab, generator=torch.Generator().manual_seed(7))[:draft], vocab
+    )
+
+
+def reference(runner, seed: int, mapping: VocabMapping | None = None) -> Eagle3TargetBatch:
+    input_ids, attention_mask, loss_mask = token_batch(seed)
+    logits, aux = runner.forward_eagle3(input_ids, attention_mask)
+    return build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping)
+
+
+def assert_identical(got: Eagle3TargetBatch, expected: Eagle3TargetBatch) -> None:
+    for field in dataclasses.fields(Eagle3TargetBatch):
+        a, e = getattr(got, field.name), getattr(expected, field.name)
+        if e is None:
+            assert a is None, field.name
+            continue
+        assert a.dtype == e.dtype and a.shape == e.shape, (field.name, a.dtype, e.dtype, a.shape, e.shape)
+        assert torch.equal(a, e), f"{field.name} differs by {(a.double() - e.double()).abs().max()}"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "with_mapping"),
+    [
+        ("hidden", False),
+        ("hidden", True),
+        ("logits", False),
+        ("logits", True),
+        ("draft", True),
+        ("probs", True),
+    ],
+)
+def test_batch_equals_in_process_hf_batch(llama_server, llama_runner, fmt, with_mapping):
+    mapping = draft_mapping() if with_mapping else None
+    expected = reference(llama_runner, seed=1, mapping=mapping)
+    with TargetClient(llama_server.url) as client:
+        got = client.batch(*token_batch(1), format=fmt, mapping=mapping)
+    assert_identical(got, expected)
+    if mapping is not None:
+        assert expected.position_mask.any() and not expected.position_mask.all()  # the mask is exercised
+
+
+def test_formats_that_need_a_vocab_refuse_to_run_without_one(llama_server):
+    with TargetClient(llama_server.url) as client, pytest.raises(ValueError, match="draft vocabulary"):
+        client.supervise(token_batch(1)[0], format="probs")
+
+
+def test_as_target_runner_gives_nemos_runner_surface(llama_server, llama_runner):
+    input_ids, attention_mask, _ = token_batch(2)
+    with TargetClient(llama_server.url) as client:
+        runner = client.as_target_runner()
+        config = runner.model.config
+        assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (8, 64, 256)
+        assert next(runner.model.parameters()).device == torch.device("cpu")
+        runner.set_aux_layers([1, 3, 4])
+        with pytest.raises(ValueError, match=r"captures aux layers \[1, 3, 4\]"):
+            runner.set_aux_layers([0, 2, 5])
+        logits, aux = runner.forward_eagle3(input_ids, attention_mask)
+        expected_logits, expected_aux = llama_runner.forward_eagle3(input_ids, attention_mask)
+        assert torch.equal(logits, expected_logits)
+        assert torch.equal(aux, expected_aux)
+        assert torch.equal(runner.input_embedding_weight(), llama_runner.input_embedding_weight())
+
+
+def test_bad_input_is_rejected_once_and_the_server_keeps_serving(llama_server, llama_runner):
+    with TargetClient(llama_server.url) as client:
+        with pytest.raises(RequestRejected) as rejected:
+            client.supervise(torch.tensor([[1, 2, 9999]]))
+        assert rejected.value.status_code == 422
+        assert "9999" in rejected.value.message or "range" in rejected.value.message
+        assert client.stats["requests"] == 1  # a 4xx is not retried
+        assert_identical(client.batch(*token_batch(3)), reference(llama_runner, seed=3))
+
+
+def test_unreachable_target_gives_up_with_the_last_error():
+    url = f"http://127.0.0.1:{free_port()}"
+    with (
+        TargetClient(url, max_attempts=3, **FAST_RETRIES) as client,
+        pytest.raises(TargetUnavailable, match=url),
+    ):
+        client.info()
+    assert client.stats["connection_errors"] == 3
+
+
+def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
+    llama_server, llama_runner, spawn_server, tiny_llama_dir
+):
+    doomed = spawn_server(tiny_llama_dir)
+    seeds = list(range(10, 22))
+    expected = [reference(llama_runner, seed) for seed in seeds]
+    delivered: list[Eagle3TargetBatch] = []
+    with TargetClient([llama_server.url, doomed.url], **FAST_RETRIES) as client:
+        for batch in client.prefetch((token_batch(seed) for seed in seeds), depth=3):
+            delivered.append(batch)
+            if len(delivered) == 3:
+                doomed.process.kill()
+                doomed.process.wait()
+        assert client.stats["connection_errors"] >= 1
+    assert len(delivered) == len(seeds)
+    for got, want in zip(delivered, expected, strict=True):
+        # Concurrent requests may share one engine batch, which can move an fp32 GEMM result by an ulp.
+        torch.testing.assert_close(got.aux_hidden_states, want.aux_hidden_states)
+        torch.testing.assert_close(got.logits, want.logits)
+        assert torch.equal(got.input_ids, want.input_ids)
+
+
+def test_a_loading_server_answers_503_and_the_client_waits_for_it(spawn_server, tiny_llama_dir, llama_runner):
+    port = free_port()
+    outcome: list[Eagle3TargetBatch | BaseException] = []
+    client = TargetClient(
+        f"http://127.0.0.1:{port}", max_attempts=10_000, give_up_after_s=180, **FAST_RETRIES
+    )
+
+    def fetch() -> None:
+        try:
+            outcome.append(client.batch(*token_batch(4)))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    fetcher = threading.Thread(target=fetch)
+    fetcher.start()
+    while client.stats["connection_errors"] == 0:  # nothing listens yet: the first attempt must fail
+        time.sleep(0.05)
+    server = spawn_server(tiny_llama_dir, port=port, wait_ready=False)
+    fetcher.join(timeout=180)
+    client.close()
+    [got] = outcome
+    assert isinstance(got, Eagle3TargetBatch), got
+    assert_identical(got, reference(llama_runner, seed=4))
+    assert client.stats["status_503"] >= 1, (client.stats, server.log()[-2000:])
+
+
+def test_fingerprint_change_mid_run_is_refused_unless_allowed(spawn_server, tiny_llama_dir):
+    port = free_port()
+    first = spawn_server(tiny_llama_dir, port=port)
+    input_ids = token_batch(5)[0]
+    strict = TargetClient(first.url, **FAST_RETRIES)
+    tolerant = TargetClient(first.url, allow_fingerprint_change=True, **FAST_RETRIES)
+    for client in (strict, tolerant):
+        client.supervise(input_ids)
+        assert client.info()["aux_layer_ids"] == [1, 3, 4]
+    started_with = strict.fingerprint
+    first.stop()
+    spawn_server(tiny_llama_dir, "--aux-layer-ids", "0", "2", "5", port=port)
+    with pytest.raises(FingerprintChanged) as changed:
+        strict.supervise(input_ids)
+    assert changed.value.expected == started_with != changed.value.got
+    raw = tolerant.supervise(input_ids)
+    assert raw["aux_hidden_states"].shape == (2, 16, 3 * 64)
+    assert tolerant.fingerprint == changed.value.got
+    assert tolerant.info()["aux_layer_ids"] == [0, 2, 5]  # cached info was dropped with the old target
+    strict.close()
+    tolerant.close()
+
+
+def test_bearer_token_is_sent(spawn_server, tiny_llama_dir, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    server = spawn_server(tiny_llama_dir, "--auth-token-file", str(token_file))
+    with TargetClient(server.url) as anonymous, pytest.raises(RequestRejected) as rejected:
+        anonymous.info()
+    assert rejected.value.status_code == 401
+    with TargetClient(server.url, token="s3cret") as client:
+        assert client.info()["num_hidden_layers"] == 8
+    assert httpx.get(server.url + "/v1/info").status_code == 401
