@@ -1,0 +1,114 @@
+"""image/Dockerfile agrees with the code it packages: base image, entrypoint, flags, env names, port, user.
+
+No Docker here, so the file is parsed and every value it hands the CLI is parsed by the real `serve` command.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import typer
+from eagle3_target.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "image" / "Dockerfile"
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with comments dropped and continuation lines joined."""
+    joined = re.sub(
+        r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    )
+    pairs = []
+    for line in joined.splitlines():
+        if line.strip():
+            keyword, _, rest = line.strip().partition(" ")
+            pairs.append((keyword.upper(), rest.strip()))
+    return pairs
+
+
+def env_pairs(arguments: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in arguments.split())
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> dict[str, list[str]]:
+    parsed: dict[str, list[str]] = {}
+    for keyword, arguments in instructions(DOCKERFILE.read_text()):
+        parsed.setdefault(keyword, []).append(arguments)
+    return parsed
+
+
+@pytest.fixture(scope="module")
+def serve_command():
+    """The click command typer builds for `eagle3-target serve` (typer vendors click, so no click types)."""
+    return typer.main.get_command(app).commands["serve"]
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_base_image_is_the_pinned_vllm_release(dockerfile, pyproject):
+    (vllm_pin,) = pyproject["project"]["optional-dependencies"]["vllm"]
+    version = vllm_pin.removeprefix("vllm==")
+    assert dockerfile["FROM"] == [f"vllm/vllm-openai:v{version}"]
+
+
+def test_installs_the_server_extra_without_replacing_vllms_torch(dockerfile, pyproject):
+    assert "server" in pyproject["project"]["optional-dependencies"]
+    (install,) = [run for run in dockerfile["RUN"] if "pip install" in run]
+    assert '".[server]"' in install
+    constraint = re.search(r"grep -iE '\^\(([^)]*)\)=='", install)
+    assert constraint is not None and {"vllm", "torch"} <= set(constraint.group(1).split("|"))
+    assert "--constraint" in install
+
+
+def test_entrypoint_is_the_serve_command(dockerfile, pyproject, serve_command):
+    assert [json.loads(e) for e in dockerfile["ENTRYPOINT"]] == [["eagle3-target", "serve"]]
+    assert pyproject["project"]["scripts"]["eagle3-target"] == "eagle3_target.cli:main"
+    assert serve_command.name == "serve"
+
+
+def test_cmd_flags_parse_with_the_serve_command(dockerfile, serve_command):
+    (cmd,) = [json.loads(c) for c in dockerfile["CMD"]]
+    known = {opt for param in serve_command.params for opt in param.opts}
+    flags = [arg for arg in cmd if arg.startswith("--")]
+    assert flags and set(flags) <= known, f"flags unknown to `serve`: {set(flags) - known}"
+    # --model is required and comes from the pod spec; parsing proves the CMD values have the right types.
+    ctx = serve_command.make_context("serve", [*cmd, "--model", "/models/m"])
+    (expose,) = dockerfile["EXPOSE"]
+    assert ctx.params["port"] == int(expose)
+
+
+def test_env_names_are_serve_envvars_and_parse(dockerfile, serve_command, monkeypatch):
+    by_envvar = {param.envvar: param for param in serve_command.params if isinstance(param.envvar, str)}
+    env = {k: v for entry in dockerfile["ENV"] for k, v in env_pairs(entry).items()}
+    ours = {k: v for k, v in env.items() if k.startswith("EAGLE3_TARGET_")}
+    assert ours, "the image should set its engine through the CLI's env vars"
+    assert set(ours) <= set(by_envvar), f"not env vars of `serve`: {set(ours) - set(by_envvar)}"
+    for name, value in ours.items():
+        monkeypatch.setenv(name, value)
+    ctx = serve_command.make_context("serve", ["--model", "/models/m"])
+    for name in ours:
+        param = by_envvar[name].name
+        assert ctx.get_parameter_source(param).name == "ENVIRONMENT", f"`serve` did not read {name}"
+    assert ctx.params["engine"] == "vllm"
+
+
+def test_runs_as_a_numeric_non_root_user(dockerfile):
+    users = dockerfile["USER"]
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0
+
+
+def test_copied_paths_exist(dockerfile):
+    for copy in dockerfile["COPY"]:
+        *sources, _destination = copy.split()
+        for source in sources:
+            assert (ROOT / source).exists(), source
