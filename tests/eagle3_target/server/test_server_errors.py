@@ -1,0 +1,179 @@
+"""The error contract: every bad request gets its JSON 4xx, and the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+import struct
+
+import httpx
+import pytest
+import torch
+from eagle3_target.server.settings import ServerSettings
+from eagle3_target.wire import tensors as tensor_wire
+
+from tests.eagle3_target.server.conftest import MAX_BATCH_TOKENS, MAX_MODEL_LEN
+from tests.eagle3_target.server.helpers import VOCAB, assert_error, draft_mapping, put_mapping, token_batch
+
+TOKEN_BODY_LIMIT = ServerSettings(model="unused", max_batch_tokens=MAX_BATCH_TOKENS).token_body_limit
+
+
+def assert_still_serving(url: str) -> None:
+    assert httpx.get(url + "/healthz").status_code == 200
+    ids, mask = token_batch(1, 8, seed=0)
+    ok = httpx.post(
+        url + "/v1/supervision", content=tensor_wire.encode({"input_ids": ids, "attention_mask": mask})
+    )
+    assert ok.status_code == 200
+    assert set(tensor_wire.decode(ok.content)[0]) == {"aux_hidden_states", "final_hidden"}
+
+
+def ids(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def body(**tensors: torch.Tensor) -> bytes:
+    return tensor_wire.encode(tensors)
+
+
+def left_padded_mask() -> torch.Tensor:
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    mask[1, 0] = 0
+    return mask
+
+
+def case(case_id: str, content: bytes, status: int = 422, type_: str = "invalid_input", **params: str):
+    return pytest.param(params, content, status, type_, id=case_id)
+
+
+GARBAGE = bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(7)).tolist())
+TOO_MANY_ROWS = MAX_BATCH_TOKENS // MAX_MODEL_LEN + 1
+SUPERVISION_CASES = [
+    case("garbage", GARBAGE, 400, "bad_request"),
+    case("empty-body", b"", 400, "bad_request"),
+    case("header-overrun", struct.pack("<Q", 10**6) + b"{}", 400, "bad_request"),
+    case("header-not-json", struct.pack("<Q", 4) + b"nope", 400, "bad_request"),
+    case("float-ids", body(input_ids=ids(1, 4, torch.float32))),
+    case("int16-ids", body(input_ids=ids(1, 4, torch.int16))),
+    case("one-dim-ids", body(input_ids=ids(1, 4)[0])),
+    case("token-id-at-vocab", body(input_ids=torch.full((1, 4), VOCAB))),
+    case("negative-token-id", body(input_ids=torch.full((1, 4), -1))),
+    case("empty-batch", body(input_ids=torch.zeros(0, 4, dtype=torch.int64))),
+    case("empty-sequence", body(input_ids=torch.zeros(2, 0, dtype=torch.int64))),
+    case("over-max-model-len", body(input_ids=ids(1, MAX_MODEL_LEN + 1))),
+    case(
+        "over-max-batch-tokens", body(input_ids=ids(TOO_MANY_ROWS, MAX_MODEL_LEN)), 413, "payload_too_large"
+    ),
+    case("missing-input-ids", body(attention_mask=torch.ones(1, 4, dtype=torch.int64))),
+    case("unexpected-tensor", body(input_ids=ids(1, 4), extra=torch.ones(1))),
+    case("mask-shape", body(input_ids=ids(2, 6), attention_mask=torch.ones(2, 5, dtype=torch.int64))),
+    case("mask-values", body(input_ids=ids(2, 6), attention_mask=torch.full((2, 6), 2))),
+    case("mask-float", body(input_ids=ids(2, 6), attention_mask=torch.ones(2, 6))),
+    case("left-padded", body(input_ids=ids(2, 6), attention_mask=left_padded_mask())),
+    case("unknown-format", body(input_ids=ids(1, 4)), format="everything"),
+    case("unknown-dtype", body(input_ids=ids(1, 4)), format="logits", dtype="int8"),
+    case("dtype-for-hidden", body(input_ids=ids(1, 4)), format="hidden", dtype="bfloat16"),
+    case("probs-without-vocab", body(input_ids=ids(1, 4)), format="probs"),
+    case(
+        "unknown-vocab", body(input_ids=ids(1, 4)), 404, "not_found", format="draft", vocab="never-registered"
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "content", "status", "type_"), SUPERVISION_CASES)
+def test_bad_supervision_requests(server, params, content, status, type_):
+    response = httpx.post(server.url + "/v1/supervision", params=params, content=content)
+    assert_error(response, status, type_)
+    assert_still_serving(server.url)
+
+
+def test_declared_oversize_body_is_refused_before_reading(server):
+    content = b"\0" * (TOKEN_BODY_LIMIT + 1)
+    response = httpx.post(server.url + "/v1/supervision", content=content)
+    assert_error(response, 413, "payload_too_large")
+    assert "Content-Length" not in response.json()["error"]["message"]
+    assert_still_serving(server.url)
+
+
+def test_streamed_oversize_body_is_cut_off(server):
+    """No Content-Length (chunked): the streaming cap stops reading past the limit."""
+    chunk = b"\0" * 16384
+    chunks = TOKEN_BODY_LIMIT // len(chunk) + 2
+
+    def stream():
+        for _ in range(chunks):
+            yield chunk
+
+    response = httpx.post(server.url + "/v1/supervision", content=stream())
+    assert "content-length" not in response.request.headers
+    assert_error(response, 413, "payload_too_large")
+    assert_still_serving(server.url)
+
+
+def test_invalid_content_length(server):
+    with httpx.Client() as client:
+        request = client.build_request("POST", server.url + "/v1/supervision", content=b"abc")
+        request.headers["Content-Length"] = "3"
+        assert client.send(request).status_code == 400  # "abc" is no safetensors body
+    assert_still_serving(server.url)
+
+
+@pytest.mark.parametrize(
+    ("mapping_id", "selected", "status"),
+    [
+        ("out-of-range", torch.tensor([0, VOCAB]), 422),
+        ("negative", torch.tensor([-1, 3]), 422),
+        ("duplicates", torch.tensor([4, 4, 5]), 422),
+        ("empty", torch.zeros(0, dtype=torch.int64), 422),
+        ("float-ids", torch.tensor([1.0, 2.0]), 422),
+        ("two-dims", torch.tensor([[1, 2]]), 422),
+        ("bad%20id", torch.tensor([1, 2]), 422),
+    ],
+)
+def test_bad_vocab_mappings(server, mapping_id, selected, status):
+    response = httpx.put(
+        f"{server.url}/v1/vocab-mappings/{mapping_id}",
+        content=tensor_wire.encode({"selected_token_ids": selected}),
+    )
+    assert_error(response, status, "invalid_input")
+    # A rejected mapping is not stored.
+    probe = httpx.post(
+        server.url + "/v1/supervision",
+        params={"format": "probs", "vocab": mapping_id},
+        content=body(input_ids=ids(1, 4)),
+    )
+    assert probe.status_code in (404, 422)
+    assert_still_serving(server.url)
+
+
+def test_vocab_mapping_with_garbage_body(server):
+    assert_error(
+        httpx.put(server.url + "/v1/vocab-mappings/garbage", content=b"\x01\x02"), 400, "bad_request"
+    )
+    assert_error(
+        httpx.put(
+            server.url + "/v1/vocab-mappings/two",
+            content=body(selected_token_ids=torch.tensor([1]), x=torch.ones(1)),
+        ),
+        422,
+        "invalid_input",
+    )
+    assert_still_serving(server.url)
+
+
+def test_unknown_routes_methods_and_weights_answer_json(server):
+    assert_error(httpx.get(server.url + "/v2/nothing"), 404, "not_found")
+    assert_error(httpx.get(server.url + "/v1/supervision"), 405, "method_not_allowed")
+    assert_error(httpx.get(server.url + "/v1/weights/everything"), 404, "not_found")
+    assert_still_serving(server.url)
+
+
+def test_mapping_registered_after_a_404_works(server):
+    """The client's recovery path: unknown vocab (404), PUT it, and the same request succeeds."""
+    request = {"format": "draft", "vocab": "late-mapping"}
+    assert_error(
+        httpx.post(server.url + "/v1/supervision", params=request, content=body(input_ids=ids(1, 4))), 404
+    )
+    with httpx.Client() as client:
+        assert put_mapping(client, server.url, "late-mapping", draft_mapping(32, seed=4)).status_code == 200
+    ok = httpx.post(server.url + "/v1/supervision", params=request, content=body(input_ids=ids(1, 4)))
+    assert ok.status_code == 200
+    assert tensor_wire.decode(ok.content)[0]["draft_logits"].shape == (1, 4, 32)

@@ -1,0 +1,130 @@
+"""NeMo AutoModel's remote-target protocol, played as its client does: one keep-alive session per server,
+wire-format bodies, ``/set_vocab_mapping`` then ``/generate``; answers compared with NeMo's co-located
+batch (``contract.build_batch`` with the mapping) computed in process."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import torch
+from eagle3_target.contract import VocabMapping, build_batch
+from eagle3_target.wire import nemo as nemo_wire
+
+from tests.eagle3_target.server.helpers import assert_error, draft_mapping, token_batch
+
+SUPERVISION_KEYS = ["aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"]
+
+
+def nemo_session() -> httpx.Client:
+    """Like NeMo's requests.Session: one pooled keep-alive connection, no client id."""
+    return httpx.Client(timeout=60, limits=httpx.Limits(max_connections=1), trust_env=False)
+
+
+def set_mapping(session: httpx.Client, url: str, mapping: VocabMapping) -> httpx.Response:
+    payload = nemo_wire.encode(
+        {"selected_token_ids": mapping.selected_token_ids, "selected_token_mask": mapping.selected_token_mask}
+    )
+    return session.post(
+        url + "/set_vocab_mapping", content=payload, headers={"Content-Type": "application/octet-stream"}
+    )
+
+
+def generate(session: httpx.Client, url: str, ids, mask, loss_mask) -> httpx.Response:
+    payload = nemo_wire.encode({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask})
+    return session.post(
+        url + "/generate", content=payload, headers={"Content-Type": "application/octet-stream"}
+    )
+
+
+def nemo_reference(runner, ids, mask, loss_mask, mapping: VocabMapping) -> dict[str, torch.Tensor]:
+    logits, aux = runner.forward_eagle3(ids, mask)
+    batch = build_batch(logits, aux, ids, mask, loss_mask, mapping=mapping)
+    return {name: getattr(batch, name) for name in SUPERVISION_KEYS}
+
+
+def loss_mask_for(mask: torch.Tensor) -> torch.Tensor:
+    loss_mask = mask.clone()
+    loss_mask[:, :3] = 0  # the prompt is not supervised
+    return loss_mask
+
+
+def assert_generate_matches(response: httpx.Response, want: dict[str, torch.Tensor]) -> None:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/octet-stream"
+    got = nemo_wire.decode(response.content)
+    assert list(got) == SUPERVISION_KEYS  # NeMo's order
+    for name in SUPERVISION_KEYS:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_nemo_client_protocol(server, reference_runner):
+    mapping = draft_mapping(64, seed=31)
+    ids, mask = token_batch(2, 20, seed=32, pad_last=5)
+    loss_mask = loss_mask_for(mask)
+    with nemo_session() as session:
+        assert session.get(server.url + "/health").json() == {"status": "ok"}
+        info = session.post(server.url + "/model_info", content=b"").json()
+        config = reference_runner.model.config
+        assert info == {
+            "num_hidden_layers": config.num_hidden_layers,
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "aux_layer_ids": reference_runner.aux_layer_ids,
+        }
+        embeddings = nemo_wire.decode(session.post(server.url + "/input_embeddings", content=b"").content)
+        assert torch.equal(embeddings["weight"], reference_runner.input_embedding_weight())
+        nccl = session.post(server.url + "/init_nccl", content=json.dumps({"nccl_port": 8101}).encode())
+        assert nccl.json() == {"status": "disabled"}
+        assert session.post(server.url + "/heartbeat").json()["status"] == "ok"
+        answer = set_mapping(session, server.url, mapping)
+        assert answer.json() == {"status": "ok", "vocab_id": mapping.digest()}
+        response = generate(session, server.url, ids, mask, loss_mask)
+        assert_generate_matches(response, nemo_reference(reference_runner, ids, mask, loss_mask, mapping))
+        # NeMo's close() posts /disconnect: acknowledged, and the server keeps serving.
+        assert session.post(server.url + "/disconnect", content=b"{}").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_two_trainers_with_different_mappings_do_not_overwrite_each_other(server, reference_runner):
+    first, second = draft_mapping(50, seed=41), draft_mapping(90, seed=42)
+    ids, mask = token_batch(1, 18, seed=43)
+    loss_mask = loss_mask_for(mask)
+    with nemo_session() as trainer_a, nemo_session() as trainer_b:
+        assert set_mapping(trainer_a, server.url, first).status_code == 200
+        assert set_mapping(trainer_b, server.url, second).status_code == 200
+        got_a = generate(trainer_a, server.url, ids, mask, loss_mask)
+        got_b = generate(trainer_b, server.url, ids, mask, loss_mask)
+        assert_generate_matches(got_a, nemo_reference(reference_runner, ids, mask, loss_mask, first))
+        assert_generate_matches(got_b, nemo_reference(reference_runner, ids, mask, loss_mask, second))
+        # A third connection from the same host that set nothing cannot know which trainer it is.
+        with nemo_session() as stranger:
+            error = assert_error(generate(stranger, server.url, ids, mask, loss_mask), 404, "not_found")
+        assert "set_vocab_mapping" in error["message"]
+        # Trainer A's next step still gets its own mapping.
+        again = generate(trainer_a, server.url, ids, mask, loss_mask)
+        assert_generate_matches(again, nemo_reference(reference_runner, ids, mask, loss_mask, first))
+
+
+def test_nemo_bad_bodies(server):
+    with nemo_session() as session:
+        assert_error(session.post(server.url + "/set_vocab_mapping", content=b"NOPE" * 8), 400, "bad_request")
+        ids = torch.tensor([1, 2, 3])
+        wrong_mask = torch.zeros(10, dtype=torch.bool)
+        wrong_mask[ids] = True
+        body = nemo_wire.encode({"selected_token_ids": ids, "selected_token_mask": wrong_mask})
+        assert_error(session.post(server.url + "/set_vocab_mapping", content=body), 422, "invalid_input")
+        inconsistent = torch.zeros(256, dtype=torch.bool)
+        body = nemo_wire.encode({"selected_token_ids": ids, "selected_token_mask": inconsistent})
+        assert_error(session.post(server.url + "/set_vocab_mapping", content=body), 422, "invalid_input")
+        assert set_mapping(session, server.url, draft_mapping(16, seed=5)).status_code == 200
+        assert_error(session.post(server.url + "/generate", content=b"\x00" * 64), 400, "bad_request")
+        no_loss_mask = nemo_wire.encode(
+            {"input_ids": torch.ones(1, 4, dtype=torch.int64), "attention_mask": None}
+        )
+        assert_error(session.post(server.url + "/generate", content=no_loss_mask), 422, "invalid_input")
+        ids, mask = token_batch(1, 6, seed=1)
+        ok = generate(session, server.url, ids, mask, mask)
+        assert ok.status_code == 200
