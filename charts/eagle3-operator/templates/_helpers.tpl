@@ -1,0 +1,68 @@
+{{/* Release-scoped name for the operator's objects, within the 63-character limit. */}}
+{{- define "eagle3-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels that select the operator pod; fixed for the life of the release. */}}
+{{- define "eagle3-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "eagle3-operator.labels" -}}
+{{ include "eagle3-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: eagle3-target
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "eagle3-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "eagle3-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "eagle3-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- /* What the operator does inside a served namespace: read targets and write their status, own the
+     children (server-side apply = create + patch, pruning = delete), watch the server pods, read the
+     targets' bearer-token Secrets to probe /v1/info, and post events. Nothing else. */}}
+{{- define "eagle3-operator.namespacedRules" -}}
+- apiGroups: [eagle3.dev]
+  resources: [eagle3targets]
+  verbs: [get, list, watch]
+- apiGroups: [eagle3.dev]
+  resources: [eagle3targets/status]
+  verbs: [patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# PodMonitors are applied (when their CRD exists) but not watched.
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}

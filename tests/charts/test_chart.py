@@ -1,0 +1,317 @@
+"""The Helm chart, with the real helm binary: lint, templates for several value sets, values the schema must
+refuse, a server-side dry run of everything it renders, and an install whose ServiceAccount can do exactly
+what the operator needs (checked with `kubectl auth can-i`)."""
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import typer
+import yaml
+from eagle3_operator import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "eagle3-operator"
+HELM = ROOT / ".cache" / "bin" / "helm"
+CRD_NAME = "eagle3targets.eagle3.dev.yaml"
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """helm without a cluster (lint, template), with its state dirs kept inside .cache."""
+    home = ROOT / ".cache" / "helm"
+    env = {
+        "HELM_CACHE_HOME": f"{home}/cache",
+        "HELM_CONFIG_HOME": f"{home}/config",
+        "HELM_DATA_HOME": f"{home}/data",
+    }
+    result = subprocess.run([str(HELM), *args], capture_output=True, text=True, env=env, timeout=60)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+def set_args(values: dict[str, str]) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def render(values: dict[str, str], namespace: str = "eagle3-system") -> list[dict[str, Any]]:
+    out = helm("template", "e3", str(CHART), "--namespace", namespace, *set_args(values)).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def cli_options(args: list[str]) -> dict[str, Any]:
+    """Parse the container's args with the operator's real command line (nothing runs)."""
+    command = typer.main.get_command(cli.app)
+    return command.make_context("eagle3-operator", list(args)).params
+
+
+VALUE_SETS = {
+    "defaults": {},
+    "two namespaces": {"watchNamespaces": "{team-a,team-b}"},
+    "service monitor": {
+        "metrics.serviceMonitor.enabled": "true",
+        "metrics.serviceMonitor.labels.release": "prom",
+    },
+    "own account and ports": {
+        "serviceAccount.create": "false",
+        "serviceAccount.name": "existing-operator",
+        "healthPort": "9000",
+        "metrics.port": "9001",
+        "logLevel": "debug",
+        "image.tag": "dev",
+    },
+    "no metrics service": {"metrics.service.enabled": "false"},
+}
+
+
+def test_chart_crds_are_the_source_crds():
+    source = ROOT / "crds" / CRD_NAME
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [CRD_NAME]
+    assert (CHART / "crds" / CRD_NAME).read_bytes() == source.read_bytes()
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_SETS))
+def test_lint_strict(case):
+    result = helm("lint", "--strict", str(CHART), *set_args(VALUE_SETS[case]))
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_defaults_serve_every_namespace_with_one_recreated_replica():
+    objects = render({})
+    assert sorted(o["kind"] for o in objects) == [
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ClusterRoleBinding",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+    ]
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    options = cli_options(operator_container(objects)["args"])
+    assert options["all_namespaces"] is True and not options["namespace"]
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_SETS))
+def test_operator_args_are_valid_and_probes_hit_its_ports(case):
+    values = VALUE_SETS[case]
+    container = operator_container(render(values))
+    options = cli_options(container["args"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert options["liveness"] == f"http://0.0.0.0:{ports['health']}/healthz"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert options["metrics_port"] == ports["metrics"]
+    assert options["verbose"] is (values.get("logLevel") == "debug")
+    assert container["image"] == f"ghcr.io/eagle3-dev/eagle3-operator:{values.get('image.tag', '0.1.0')}"
+
+
+def test_operator_container_is_locked_down():
+    objects = render({})
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    context = operator_container(objects)["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert operator_container(objects)["resources"]["limits"]["memory"] == "512Mi"
+
+
+def test_watch_namespaces_gives_roles_there_and_nothing_cluster_wide():
+    objects = render(VALUE_SETS["two namespaces"])
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == ["team-a", "team-b"]
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
+    assert cluster_resources == {"customresourcedefinitions", "namespaces"}
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_role["rules"])
+    options = cli_options(operator_container(objects)["args"])
+    assert options["namespace"] == ["team-a", "team-b"] and options["all_namespaces"] is False
+
+
+def test_rules_name_no_wildcards_and_never_write_secrets():
+    for values in VALUE_SETS.values():
+        objects = render(values)
+        for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+            for rule in role["rules"]:
+                assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+                if "secrets" in rule["resources"]:
+                    assert rule["verbs"] == ["get"]
+
+
+def test_service_monitor_scrapes_the_metrics_service():
+    objects = render(VALUE_SETS["service monitor"])
+    (monitor,) = by_kind(objects, "ServiceMonitor")
+    (service,) = by_kind(objects, "Service")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    assert not by_kind(render({}), "ServiceMonitor")
+
+
+def test_existing_service_account_is_used_not_created():
+    objects = render(VALUE_SETS["own account and ports"])
+    assert not by_kind(objects, "ServiceAccount")
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "existing-operator"
+    for binding in by_kind(objects, "ClusterRoleBinding"):
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "existing-operator", "namespace": "eagle3-system"}
+        ]
+
+
+BAD_VALUES = {
+    "namespaces as a string": ({"watchNamespaces": "all"}, "at '/watchNamespaces': got string, want array"),
+    "bad namespace name": ({"watchNamespaces": "{Team_A}"}, "'Team_A' does not match pattern"),
+    "privileged port": ({"healthPort": "80"}, "at '/healthPort': minimum"),
+    "same two ports": ({"metrics.port": "8080"}, "healthPort and metrics.port must differ"),
+    "pull policy": (
+        {"image.pullPolicy": "Sometimes"},
+        "value must be one of 'Always', 'IfNotPresent', 'Never'",
+    ),
+    "unknown key": ({"replicas": "2"}, "additional properties 'replicas' not allowed"),
+    "monitor without service": (
+        {"metrics.serviceMonitor.enabled": "true", "metrics.service.enabled": "false"},
+        "at '/metrics/service/enabled': value must be true",
+    ),
+    "no account": ({"serviceAccount.create": "false"}, "at '/serviceAccount/name'"),
+    "bad quantity": ({"resources.limits.memory": "lots"}, "at '/resources/limits/memory'"),
+    "log level": ({"logLevel": "trace"}, "at '/logLevel'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_bad_values_are_refused(case):
+    values, expected = BAD_VALUES[case]
+    result = helm("template", "e3", str(CHART), *set_args(values), check=False)
+    assert result.returncode != 0
+    assert expected in result.stderr
+
+
+def test_every_rendered_object_passes_a_server_side_dry_run(cluster, namespace):
+    """Both RBAC modes (the Roles go to real namespaces) and the CRD itself; the ServiceMonitor set is left
+    out because this cluster has no prometheus-operator CRDs."""
+    for values in ({}, {"watchNamespaces": f"{{{namespace}}}"}, VALUE_SETS["own account and ports"]):
+        manifest = helm(
+            "template", "e3", str(CHART), "--namespace", namespace, "--include-crds", *set_args(values)
+        ).stdout
+        result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=manifest)
+        kinds = {line.split("/")[0] for line in result.stdout.splitlines()}
+        assert "deployment.apps" in kinds
+        assert "customresourcedefinition.apiextensions.k8s.io" in kinds
+
+
+def can_i(cluster, account: str, verb: str, resource: str, namespace: str, *extra: str) -> bool:
+    result = cluster.kubectl(
+        "auth", "can-i", verb, resource, f"--as={account}", "-n", namespace, *extra, check=False
+    )
+    return result.stdout.strip() == "yes"
+
+
+def may_apply_pod_monitors(cluster, account: str, namespace: str) -> bool:
+    """kubectl cannot name a resource this cluster does not serve (no prometheus-operator CRDs here), so ask
+    the authorizer directly with a SubjectAccessReview."""
+    _, _, account_namespace, _ = account.split(":")
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{account_namespace}", "system:authenticated"]
+    attributes = {"group": "monitoring.coreos.com", "resource": "podmonitors", "namespace": namespace}
+    allowed = []
+    for verb in ("create", "patch"):
+        review = kubernetes.client.V1SubjectAccessReview(
+            spec=kubernetes.client.V1SubjectAccessReviewSpec(
+                user=account, groups=groups, resource_attributes={**attributes, "verb": verb}
+            )
+        )
+        answer = kubernetes.client.AuthorizationV1Api(cluster.api_client).create_subject_access_review(review)
+        allowed.append(answer.status.allowed)
+    return all(allowed)
+
+
+NEEDED = [
+    ("list", "eagle3targets.eagle3.dev"),
+    ("watch", "eagle3targets.eagle3.dev"),
+    ("patch", "eagle3targets.eagle3.dev", "--subresource=status"),
+    ("create", "deployments.apps"),
+    ("patch", "deployments.apps"),
+    ("delete", "deployments.apps"),
+    ("watch", "deployments.apps"),
+    ("patch", "services"),
+    ("patch", "poddisruptionbudgets.policy"),
+    ("watch", "pods"),
+    ("get", "secrets"),
+    ("create", "events"),
+]
+FORBIDDEN = [
+    ("create", "secrets"),
+    ("update", "secrets"),
+    ("delete", "secrets"),
+    ("list", "secrets"),
+    ("patch", "eagle3targets.eagle3.dev"),
+    ("delete", "eagle3targets.eagle3.dev"),
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("create", "pods", "--subresource=exec"),
+    ("create", "roles.rbac.authorization.k8s.io"),
+    ("create", "serviceaccounts", "--subresource=token"),
+    ("*", "*"),
+]
+
+
+def test_installed_service_account_has_exactly_what_the_operator_needs(cluster, namespace):
+    watched = f"{namespace}-w"
+    cluster.kubectl("create", "namespace", watched)
+    try:
+        cluster.helm(
+            "install", "e3", str(CHART), "--namespace", namespace, "--wait", "--timeout=90s",
+            "--set", f"watchNamespaces={{{watched}}}",
+        )  # fmt: skip
+        account = f"system:serviceaccount:{namespace}:e3-eagle3-operator"
+        for check in NEEDED:
+            assert can_i(cluster, account, *check[:2], watched, *check[2:]), check
+        assert may_apply_pod_monitors(cluster, account, watched)
+        for check in FORBIDDEN:
+            assert not can_i(cluster, account, *check[:2], watched, *check[2:]), check
+        # Outside the watched namespace it can do nothing of the above, not even read targets.
+        for check in NEEDED:
+            assert not can_i(cluster, account, *check[:2], "default", *check[2:]), check
+        assert not may_apply_pod_monitors(cluster, account, "default")
+        assert can_i(cluster, account, "watch", "customresourcedefinitions.apiextensions.k8s.io", "default")
+        assert not can_i(
+            cluster, account, "create", "customresourcedefinitions.apiextensions.k8s.io", "default"
+        )
+        status = cluster.kubectl(
+            "get", "deployment", "e3-eagle3-operator", "-n", namespace, "-o", "yaml"
+        ).stdout
+        assert yaml.safe_load(status)["status"]["availableReplicas"] == 1
+    finally:
+        cluster.helm("uninstall", "e3", "--namespace", namespace, check=False)
+        cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)
+
+
+def test_cluster_wide_install_reaches_every_namespace(cluster, namespace):
+    release = f"e3-{namespace[-6:]}"
+    try:
+        cluster.helm("install", release, str(CHART), "--namespace", namespace)
+        account = f"system:serviceaccount:{namespace}:{release}-eagle3-operator"
+        for target_namespace in (namespace, "default"):
+            for check in NEEDED:
+                assert can_i(cluster, account, *check[:2], target_namespace, *check[2:]), check
+            assert may_apply_pod_monitors(cluster, account, target_namespace)
+            for check in FORBIDDEN:
+                assert not can_i(cluster, account, *check[:2], target_namespace, *check[2:]), check
+    finally:
+        cluster.helm("uninstall", release, "--namespace", namespace, check=False)

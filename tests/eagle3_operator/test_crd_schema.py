@@ -1,0 +1,245 @@
+"""The CRD against the real API server: good targets are accepted with the typed spec's defaults, bad ones are
+rejected with the CRD's readable messages (and the typed spec rejects them too), and the status and scale
+subresources, printer columns and names work the way kubectl users expect."""
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from eagle3_operator import render
+from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "eagle3targets.eagle3.dev.yaml"
+EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
+
+PVC = {"pvc": {"claimName": "models"}}
+HF = {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "hf-cache", "tokenSecretRef": {"name": "hf"}}}
+
+
+def target(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": render.API_VERSION, "kind": render.KIND, "metadata": {"name": name}, "spec": spec}
+
+
+def with_model(source: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+    model: dict[str, Any] = {"name": "org/tiny"}
+    if source is not None:
+        model["source"] = source
+    return {"model": model, **fields}
+
+
+@pytest.fixture(scope="module")
+def targets(cluster) -> kubernetes.dynamic.Resource:
+    """The CRD applied the way the chart and the demo apply it, once it is Established."""
+    cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--field-manager=eagle3-tests", "-f", str(CRD_PATH)
+    )
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/eagle3targets.eagle3.dev")
+    client = kubernetes.dynamic.DynamicClient(cluster.api_client)
+    return client.resources.get(api_version=render.API_VERSION, kind=render.KIND)
+
+
+def rejection(targets: kubernetes.dynamic.Resource, namespace: str, body: dict[str, Any]) -> str:
+    """The API server's message for a create it refuses (dry run, so nothing is stored)."""
+    with pytest.raises(kubernetes.dynamic.exceptions.DynamicApiError) as caught:
+        targets.create(body=body, namespace=namespace, dry_run="All")
+    assert caught.value.status == 422, caught.value.body
+    return json.loads(caught.value.body)["message"]
+
+
+GOOD_SPECS = {
+    "pvc with sub path": with_model({"pvc": {"claimName": "models", "subPath": "llama/8b"}}),
+    "host path": with_model({"hostPath": {"path": "/srv/models/tiny"}}, engine="hf", tensorParallelSize=0),
+    "hugging face": with_model(HF, replicas=2),
+    "external": {"endpoint": {"url": "https://target.example:8443/base"}},
+    "everything": with_model(
+        PVC,
+        engine="vllm",
+        auxLayerIds=[1, 15, 28],
+        tensorParallelSize=8,
+        replicas=3,
+        suspend=True,
+        maxModelLen=8192,
+        engineArgs={"gpu-memory-utilization": "0.9", "max_num_seqs": "64"},
+        image="registry.example/eagle3-target:dev",
+        resources={"requests": {"cpu": 8, "memory": "64Gi"}, "limits": {"memory": "96Gi"}},
+        nodeSelector={"nvidia.com/gpu.product": "H100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        priorityClassName="high",
+        imagePullSecrets=[{"name": "registry"}],
+        startupTimeoutSeconds=3600,
+        port=9000,
+        auth={"tokenSecretRef": {"name": "token", "key": "bearer"}},
+        monitoring={"podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOOD_SPECS))
+def test_good_targets_are_accepted_with_the_typed_specs_defaults(targets, namespace, case):
+    spec = GOOD_SPECS[case]
+    stored = targets.create(body=target("good", spec), namespace=namespace, dry_run="All").to_dict()
+    # Defaults filled in by the API server are exactly the ones the typed spec assumes.
+    assert Eagle3TargetSpec.parse(stored["spec"]) == Eagle3TargetSpec.parse(spec)
+    if "endpoint" not in spec:
+        assert stored["spec"]["startupTimeoutSeconds"] == spec.get("startupTimeoutSeconds", 1800)
+        assert stored["spec"]["port"] == spec.get("port", 8000)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_pass_a_server_side_dry_run(cluster, targets, namespace, path):
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+    assert "eagle3target.eagle3.dev/" in result.stdout
+
+
+BAD_SPECS = {
+    "no model": ({}, "spec.model.source is required"),
+    "no source": (with_model(), "spec.model.source is required"),
+    "empty source": (with_model({}), "exactly one of pvc, hostPath, huggingFace must be set"),
+    "two sources": (
+        with_model({**PVC, "hostPath": {"path": "/m"}}),
+        "exactly one of pvc, hostPath, huggingFace must be set",
+    ),
+    "source and endpoint": (with_model(PVC, endpoint={"url": "http://x:1"}), "are mutually exclusive"),
+    "unknown engine": (with_model(PVC, engine="trt"), 'supported values: "vllm", "hf"'),
+    "two aux layers": (with_model(PVC, auxLayerIds=[1, 2]), "spec.auxLayerIds: Invalid value"),
+    "repeated aux layer": (with_model(PVC, auxLayerIds=[1, 1, 2]), "auxLayerIds must be 3 distinct"),
+    "vllm without gpus": (with_model(PVC, tensorParallelSize=0), "engine vllm needs GPUs"),
+    "privileged port": (with_model(PVC, port=80), "spec.port: Invalid value: 80"),
+    "tiny startup budget": (with_model(PVC, startupTimeoutSeconds=1), "spec.startupTimeoutSeconds"),
+    "negative replicas": (with_model(PVC, replicas=-1), "spec.replicas"),
+    "reserved engine arg": (with_model(PVC, engineArgs={"max_model_len": "1"}), "use the spec's own fields"),
+    "odd engine arg key": (with_model(PVC, engineArgs={"a b": "1"}), "keys must be flag names"),
+    "gpu in resources": (
+        with_model(PVC, resources={"limits": {"nvidia.com/gpu": 1}}),
+        "it comes from tensorParallelSize",
+    ),
+    "bad quantity": (
+        with_model(PVC, resources={"requests": {"memory": "lots"}}),
+        "spec.resources.requests.memory",
+    ),
+    "relative host path": (with_model({"hostPath": {"path": "models"}}), "must be an absolute path"),
+    "escaping sub path": (
+        with_model({"pvc": {"claimName": "m", "subPath": "a/../../etc"}}),
+        "subPath must be a relative path without '..'",
+    ),
+    "bad hf repo": (
+        with_model({"huggingFace": {"repo": "not a repo", "cacheClaimName": "c"}}),
+        "huggingFace.repo must look like owner/name",
+    ),
+    "hf without cache": (with_model({"huggingFace": {"repo": "org/tiny"}}), "cacheClaimName: Required value"),
+    "ftp endpoint": (
+        {"endpoint": {"url": "ftp://files.example/model"}},
+        "must be an absolute http or https URL",
+    ),
+    "bad toleration": (
+        with_model(PVC, tolerations=[{"key": "k", "operator": "Maybe"}]),
+        "spec.tolerations[0].operator: Unsupported value",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_bad_targets_are_rejected_readably(targets, namespace, case):
+    spec, expected = BAD_SPECS[case]
+    assert expected in rejection(targets, namespace, target("bad", spec))
+    with pytest.raises(InvalidSpec):  # the operator's own check agrees with the API server
+        Eagle3TargetSpec.parse(spec)
+
+
+def test_unknown_fields_are_refused_by_kubectl(cluster, targets, namespace):
+    body = yaml.safe_dump(target("typo", with_model(PVC, gpus=2)))
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=body, check=False)
+    assert result.returncode != 0
+    assert 'unknown field "spec.gpus"' in result.stderr
+
+
+def test_model_name_is_immutable(targets, namespace):
+    created = targets.create(body=target("frozen", with_model(PVC)), namespace=namespace).to_dict()
+    changed = copy.deepcopy(created)
+    changed["spec"]["model"]["name"] = "org/other"
+    with pytest.raises(kubernetes.dynamic.exceptions.DynamicApiError) as caught:
+        targets.replace(body=changed, namespace=namespace)
+    assert "spec.model.name is immutable" in json.loads(caught.value.body)["message"]
+    changed["spec"]["model"]["name"] = "org/tiny"
+    changed["spec"]["replicas"] = 2  # everything else may change
+    assert targets.replace(body=changed, namespace=namespace).spec.replicas == 2
+
+
+def publish_status(targets, namespace: str, name: str, ready: str) -> None:
+    """Write a status as the operator would, through the status subresource."""
+    current = targets.get(name=name, namespace=namespace)
+    generation = current.metadata.generation
+    status = {
+        "observedGeneration": generation,
+        "phase": "Ready" if ready == "True" else "Loading",
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": ready,
+                "reason": "Serving" if ready == "True" else "ModelLoading",
+                "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+                "observedGeneration": generation,
+            }
+        ],
+        "url": f"http://{name}.{namespace}.svc:8000",
+        "replicas": 2,
+        "readyReplicas": 2 if ready == "True" else 0,
+        "readyDesired": "2/2" if ready == "True" else "0/2",
+        "selector": render.label_selector(name),
+    }
+    targets.status.patch(
+        body={"status": status}, name=name, namespace=namespace, content_type="application/merge-patch+json"
+    )
+
+
+def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
+    targets.create(body=target("served", with_model(PVC, replicas=2)), namespace=namespace)
+    publish_status(targets, namespace, "served", "False")
+
+    table = cluster.kubectl("get", "e3t", "served", "-n", namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REASON", "READY/DESIRED", "ENGINE", "MODEL", "URL", "AGE"]
+    assert table[1].split()[:7] == [
+        "served",
+        "False",
+        "ModelLoading",
+        "0/2",
+        "vllm",
+        "org/tiny",
+        f"http://served.{namespace}.svc:8000",
+    ]
+    wide = cluster.kubectl("get", "e3t", "served", "-n", namespace, "-o", "wide").stdout
+    assert "PHASE" in wide and "Loading" in wide
+
+    publish_status(targets, namespace, "served", "True")
+    cluster.kubectl("wait", "--for=condition=Ready", "--timeout=10s", "-n", namespace, "e3t/served")
+
+    cluster.kubectl("scale", "e3t/served", "--replicas=3", "-n", namespace)
+    assert targets.get(name="served", namespace=namespace).spec.replicas == 3
+    scale = json.loads(cluster.kubectl("get", "--raw", scale_path(namespace, "served")).stdout)
+    assert scale["status"]["selector"] == render.label_selector("served")
+    assert scale["status"]["replicas"] == 2
+
+
+def scale_path(namespace: str, name: str) -> str:
+    return f"/apis/{render.API_VERSION}/namespaces/{namespace}/{render.PLURAL}/{name}/scale"
+
+
+def test_status_is_written_only_through_its_subresource(targets, namespace):
+    created = targets.create(body=target("plain", with_model(PVC)), namespace=namespace).to_dict()
+    created["status"] = {"phase": "Ready"}
+    replaced = targets.replace(body=created, namespace=namespace)
+    assert not (replaced.to_dict().get("status") or {})
+
+
+def test_short_name_and_category_list_targets(cluster, targets, namespace):
+    targets.create(body=target("listed", with_model(PVC)), namespace=namespace)
+    for kind in ("e3t", "eagle3", "eagle3targets.eagle3.dev"):
+        names = cluster.kubectl("get", kind, "-n", namespace, "-o", "name").stdout.split()
+        assert "eagle3target.eagle3.dev/listed" in names
