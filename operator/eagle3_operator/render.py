@@ -25,8 +25,10 @@ CONTAINER_NAME = "server"
 PORT_NAME = "http"
 MODEL_MOUNT = "/models"
 AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
-# The image's non-root user; fsGroup makes a download cache PVC writable for it.
-RUN_AS_USER = 1000
+# The target image's non-root user and group (image/Dockerfile), set explicitly so that runAsNonRoot also
+# holds for custom images; fsGroup makes a download cache PVC writable for that user.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 0
 STARTUP_PERIOD_SECONDS = 10
 NAME_LIMIT = 63
 _HASH_LENGTH = 8
@@ -271,7 +273,7 @@ def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
+            "runAsGroup": RUN_AS_GROUP,
             "fsGroup": RUN_AS_USER,
             # Model volumes hold hundreds of GB; never chown them recursively on every start.
             "fsGroupChangePolicy": "OnRootMismatch",

@@ -2,6 +2,7 @@
 refuse, a server-side dry run of everything it renders, and an install whose ServiceAccount can do exactly
 what the operator needs (checked with `kubectl auth can-i`)."""
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,22 @@ def test_operator_container_is_locked_down():
     assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert operator_container(objects)["resources"]["limits"]["memory"] == "512Mi"
+
+
+def test_operator_image_matches_the_chart():
+    """image/operator.Dockerfile runs the user the chart's pod expects and exposes the default ports."""
+    dockerfile = (ROOT / "image" / "operator.Dockerfile").read_text()
+    (deployment,) = by_kind(render({}), "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (user,) = re.findall(r"^USER (\d+):(\d+)$", dockerfile, flags=re.MULTILINE)
+    assert user == (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"]))
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", dockerfile, flags=re.MULTILINE)
+    assert sorted(exposed.split()) == sorted(
+        str(p["containerPort"]) for p in operator_container(render({}))["ports"]
+    )
+    bases = re.findall(r"^FROM (\S+)", dockerfile, flags=re.MULTILINE)
+    assert bases and all(re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", base) for base in bases)
+    assert '".[operator]"' in dockerfile
 
 
 def test_watch_namespaces_gives_roles_there_and_nothing_cluster_wide():

@@ -3,6 +3,7 @@ dry run of the rendered objects against the real API server."""
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes
@@ -180,6 +181,13 @@ def test_pod_is_locked_down():
     assert context["allowPrivilegeEscalation"] is False
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert context["runAsNonRoot"] is True
+
+
+def test_pod_runs_as_the_target_images_user():
+    dockerfile = (Path(__file__).resolve().parents[2] / "image" / "Dockerfile").read_text()
+    (user,) = re.findall(r"^USER (\d+):(\d+)$", dockerfile, flags=re.MULTILINE)
+    context = pod_of(make_spec())["securityContext"]
+    assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user
 
 
 def test_shared_memory_is_memory_backed():
