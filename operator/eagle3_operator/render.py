@@ -212,7 +212,8 @@ def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any
 
 
 def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
-    """Init container that fills the cache PVC from the Hugging Face Hub; a no-op when the files are there."""
+    """Init container that fills the cache PVC from the Hub. Files already there are kept, and when the Hub
+    is unreachable, huggingface_hub falls back to a complete copy in the directory: restarts work offline."""
     source = spec.model.source.hugging_face
     env = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
