@@ -51,7 +51,9 @@ def run(
     if bool(namespace) == all_namespaces:
         raise typer.BadParameter("pass --namespace (repeatable) or --all-namespaces, exactly one of them")
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if not verbose:  # One line per handler call and per probe request would drown the real news.
+        for noisy in ("kopf.objects", "httpx", "aiohttp.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if metrics_port:
         prometheus_client.start_http_server(metrics_port, addr=metrics_address)
     config = OperatorConfig(reprobe_seconds=reprobe_seconds, api_timeout_seconds=api_timeout_seconds)

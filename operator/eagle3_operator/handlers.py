@@ -45,6 +45,15 @@ class Runtime:
     reprobe: asyncio.Task[None]
 
 
+@kopf.on.login(registry=registry)
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: its ServiceAccount; elsewhere: the kubeconfig (exec plugins too, via the client library).
+
+    The only sync handler: it runs once, in a thread, and the client library's loading is blocking.
+    """
+    return kopf.login_via_client(**kwargs)
+
+
 @kopf.on.startup(registry=registry)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     """Configure kopf and build the reconciler over the indexes (kopf passes them by handler id)."""
@@ -72,13 +81,13 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.probe(id="targets", registry=registry)
-def known_targets(memo: kopf.Memo, **_: Any) -> int:
+async def known_targets(memo: kopf.Memo, **_: Any) -> int:
     """Liveness detail: how many targets this operator tracks."""
     return memo.runtime.reconciler.known_targets
 
 
 @kopf.index(GROUP, VERSION, PLURAL, registry=registry)
-def target_index(
+async def target_index(
     namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any
 ) -> dict[TargetKey, Any]:
     snapshot = TargetSnapshot(
@@ -93,20 +102,20 @@ def target_index(
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     reconciler: Reconciler = memo.runtime.reconciler
     if not reconciler.is_own_write((namespace, name), meta.get("resourceVersion", "")):
         reconciler.request((namespace, name))
 
 
 @kopf.index("v1", "pods", labels=MANAGED, registry=registry)
-def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+async def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
     instance = labels.get(LABEL_INSTANCE)
     return {(namespace, instance): pod_view(body)} if instance else {}
 
 
 @kopf.on.event("v1", "pods", labels=MANAGED, registry=registry)
-def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     instance = labels.get(LABEL_INSTANCE)
     if instance:
         memo.runtime.reconciler.request_instance(namespace, instance)
@@ -151,10 +160,10 @@ def _child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo) -> None:
 def _register_child(plural: str, selector: tuple[str, ...]) -> None:
     """An index and a change trigger for one child kind (same shape for every kind)."""
 
-    def index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+    async def index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
         return _child_index(namespace, meta, body)
 
-    def changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    async def changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
         _child_changed(namespace, meta, memo)
 
     kopf.index(*selector, id=f"{plural}_index", labels=MANAGED, registry=registry)(index)

@@ -20,7 +20,7 @@ WATCHED_CHILDREN += (("policy", "v1", "poddisruptionbudgets"),)
 class OperatorConfig:
     reprobe_seconds: float = 15.0  # how often targets with pods are re-probed for readiness changes
     api_timeout_seconds: float = 15.0  # one API request, reconciler and kopf alike
-    watch_timeout_seconds: float = 300.0  # a watch request is renewed at least this often
+    watch_timeout_seconds: int = 300  # a watch request is renewed at least this often (the API wants an int)
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

@@ -1,0 +1,398 @@
+"""The operator against the real control plane: kwok pods, real target servers at the pods' IPs, real status.
+
+One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import kubernetes
+import pytest
+
+from tests.cluster.access import Cluster
+from tests.eagle3_operator.conftest import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    OperatorProcess,
+    ServerFarm,
+    free_port,
+    wait_for,
+)
+
+pytestmark = pytest.mark.usefixtures("operator")
+
+
+def target_manifest(name: str, port: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Eagle3Target",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny-llama"}}},
+            "engine": "hf",
+            "tensorParallelSize": 1,
+            "replicas": 1,
+            "port": port,
+            "startupTimeoutSeconds": 600,
+        }
+        | spec,
+    }
+
+
+class Targets:
+    """Eagle3Target and child access for one namespace."""
+
+    def __init__(self, cluster: Cluster, namespace: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+        self.core = kubernetes.client.CoreV1Api(cluster.api_client)
+        self.apps = kubernetes.client.AppsV1Api(cluster.api_client)
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> int:
+        """Merge-patch the spec; returns the new metadata.generation."""
+        body = self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
+        )
+        return body["metadata"]["generation"]
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+
+    def deployment(self, name: str) -> kubernetes.client.V1Deployment | None:
+        try:
+            return self.apps.read_namespaced_deployment(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def service(self, name: str) -> kubernetes.client.V1Service | None:
+        try:
+            return self.core.read_namespaced_service(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
+        selector = f"app.kubernetes.io/instance={name}"
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+    def events(self, name: str) -> list[kubernetes.client.CoreV1Event]:
+        selector = f"involvedObject.name={name},involvedObject.kind=Eagle3Target"
+        return self.core.list_namespaced_event(self.namespace, field_selector=selector).items
+
+    def ready_status(
+        self, name: str, generation: int | None = None, replicas: int | None = None
+    ) -> dict | None:
+        """The status once Ready=True for `generation` (default: the current one) with `replicas` serving."""
+        body = self.get(name)
+        if body is None:
+            return None
+        status = body.get("status") or {}
+        ready = condition(status, "Ready")
+        generation = generation or body["metadata"]["generation"]
+        if ready.get("status") != "True" or ready.get("observedGeneration") != generation:
+            return None
+        if status.get("observedGeneration") != generation:
+            return None
+        if replicas is not None and status.get("readyReplicas") != replicas:
+            return None
+        return status
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
+
+
+@pytest.fixture
+def targets(cluster: Cluster, op_namespace: str) -> Targets:
+    return Targets(cluster, op_namespace)
+
+
+class PodServing:
+    """Keeps a real server answering at IP:port of every running pod in a namespace (as the pod's own
+    server process would), for the ports it has been told to serve."""
+
+    def __init__(self, targets: Targets, farm: ServerFarm) -> None:
+        self.targets = targets
+        self.farm = farm
+        self.ports: set[int] = set()
+        self.bound: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pod-serving", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            pods = self.targets.core.list_namespaced_pod(self.targets.namespace).items
+            for pod in pods:
+                for port in list(self.ports):
+                    address = (pod.status.pod_ip, port)
+                    if pod.status.pod_ip and address not in self.bound:
+                        self.farm.bind(*address)
+                        self.bound.add(address)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for address in self.bound:
+            self.farm.unbind(*address)
+
+
+@pytest.fixture
+def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
+    serving = PodServing(targets, servers)
+    try:
+        yield serving
+    finally:
+        serving.close()
+
+
+def server_info(servers: ServerFarm) -> dict[str, Any]:
+    return httpx.get(f"http://{servers.primary[0]}:{servers.primary[1]}/v1/info", timeout=5).json()
+
+
+def test_lifecycle_ready_scale_rollout_suspend(
+    targets: Targets,
+    pod_serving: PodServing,
+    servers: ServerFarm,
+    operator: OperatorProcess,
+    cluster: Cluster,
+):
+    port = free_port()
+    created = targets.create(target_manifest("llama", port))
+    uid = created["metadata"]["uid"]
+
+    # Children appear, owned by the target.
+    deployment = wait_for(lambda: targets.deployment("llama"), "the Deployment")
+    service = wait_for(lambda: targets.service("llama"), "the Service")
+    for child in (deployment, service):
+        owner = child.metadata.owner_references[0]
+        assert (owner.kind, owner.uid, owner.controller) == ("Eagle3Target", uid, True)
+    assert deployment.spec.template.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
+
+    # The kwok pod is Ready, but nothing answers at its IP yet: not a ready endpoint, target not Ready.
+    def unserved_endpoint() -> dict | None:
+        status = (targets.get("llama") or {}).get("status") or {}
+        endpoints = status.get("endpoints") or []
+        return status if endpoints and not endpoints[0]["ready"] else None
+
+    status = wait_for(unserved_endpoint, "an endpoint published as not ready")
+    assert condition(status, "Ready")["status"] == "False"
+    assert status["endpoints"][0]["address"].startswith("http://127.1.")
+
+    # A real server answers at the pod's IP:port → Ready, with endpoint, model and fingerprint.
+    pod_serving.ports.add(port)
+    status = wait_for(lambda: targets.ready_status("llama", replicas=1), "Ready with one endpoint")
+    info = server_info(servers)
+    pod = targets.pods("llama")[0]
+    assert status["endpoints"] == [
+        {
+            "pod": pod.metadata.name,
+            "address": f"http://{pod.status.pod_ip}:{port}",
+            "ready": True,
+            "node": pod.spec.node_name,
+        }
+    ]
+    assert status["model"]["fingerprint"] == info["fingerprint"]
+    assert (status["model"]["name"], status["model"]["numHiddenLayers"]) == (
+        "tiny-llama",
+        info["num_hidden_layers"],
+    )
+    assert status["url"] == f"http://llama.{targets.namespace}.svc:{port}"
+    assert status["phase"] == "Ready" and status["readyDesired"] == "1/1"
+    assert "app.kubernetes.io/instance=llama" in status["selector"]
+    cluster.kubectl("wait", "--for=condition=Ready", "--timeout=60s", "-n", targets.namespace, "e3t/llama")
+    assert any(e.reason == "AllReplicasReady" and e.type == "Normal" for e in targets.events("llama"))
+
+    # Idle: several re-probe rounds later nothing was written, neither status nor children.
+    before = (
+        targets.get("llama")["metadata"]["resourceVersion"],
+        targets.deployment("llama").metadata.resource_version,
+        targets.service("llama").metadata.resource_version,
+    )
+    writes, applies = operator.metric("eagle3_operator_status_writes_total"), _applies(operator)
+    time.sleep(5)
+    after = (
+        targets.get("llama")["metadata"]["resourceVersion"],
+        targets.deployment("llama").metadata.resource_version,
+        targets.service("llama").metadata.resource_version,
+    )
+    assert after == before
+    assert (operator.metric("eagle3_operator_status_writes_total"), _applies(operator)) == (writes, applies)
+    assert operator.metric("eagle3_operator_probes_total", outcome="ready") > 0
+
+    # Scale through the scale subresource (what HPA and `kubectl scale` use).
+    cluster.kubectl("scale", "-n", targets.namespace, "e3t/llama", "--replicas=2")
+    status = wait_for(lambda: targets.ready_status("llama", replicas=2), "Ready with two endpoints")
+    assert status["replicas"] == 2 and len(status["endpoints"]) == 2
+    scale = targets.custom.get_namespaced_custom_object_scale(
+        GROUP, VERSION, targets.namespace, PLURAL, "llama"
+    )
+    assert (scale["status"]["replicas"], scale["status"]["selector"]) == (2, status["selector"])
+
+    # A spec change rolls the pods; Ready again only for the new generation, on new pods.
+    old_pods = {p.metadata.name for p in targets.pods("llama")}
+    generation = targets.patch_spec("llama", {"startupTimeoutSeconds": 900})
+    status = wait_for(
+        lambda: targets.ready_status("llama", generation, replicas=2), "Ready after the rollout"
+    )
+    assert {e["pod"] for e in status["endpoints"]}.isdisjoint(old_pods)
+    assert targets.deployment("llama").spec.progress_deadline_seconds == 1200
+
+    # Suspend: no pods, Suspended; resume brings it back.
+    generation = targets.patch_spec("llama", {"suspend": True})
+
+    def suspended() -> dict | None:
+        status = (targets.get("llama") or {}).get("status") or {}
+        progressing = condition(status, "Progressing")
+        done = status.get("phase") == "Suspended" and progressing.get("reason") == "Suspended"
+        return status if done and status.get("observedGeneration") == generation else None
+
+    status = wait_for(suspended, "Suspended with no pods")
+    assert targets.deployment("llama").spec.replicas == 0
+    assert status["endpoints"] == [] and condition(status, "Ready")["reason"] == "Suspended"
+    generation = targets.patch_spec("llama", {"suspend": False})
+    wait_for(lambda: targets.ready_status("llama", generation, replicas=2), "Ready after resuming")
+
+
+def _applies(operator: OperatorProcess) -> float:
+    return sum(
+        operator.metric("eagle3_operator_child_applies_total", kind=k) for k in ("Deployment", "Service")
+    )
+
+
+def test_drift_is_repaired(targets: Targets):
+    targets.create(target_manifest("drift", free_port()))
+    deployment = wait_for(lambda: targets.deployment("drift"), "the Deployment")
+    service = wait_for(lambda: targets.service("drift"), "the Service")
+
+    targets.core.delete_namespaced_service("drift", targets.namespace)
+    recreated = wait_for(
+        lambda: (s := targets.service("drift")) is not None and s.metadata.uid != service.metadata.uid and s,
+        "the deleted Service to come back",
+    )
+    assert recreated.spec.ports[0].name == "http"
+
+    targets.apps.patch_namespaced_deployment(
+        "drift",
+        targets.namespace,
+        {
+            "spec": {
+                "replicas": 3,
+                "template": {"spec": {"containers": [{"name": "server", "image": "evil:1"}]}},
+            }
+        },
+    )
+    repaired = wait_for(
+        lambda: (
+            (d := targets.deployment("drift")).spec.replicas == 1
+            and d.spec.template.spec.containers[0].image != "evil:1"
+            and d
+        ),
+        "the edited Deployment to be repaired",
+    )
+    assert repaired.metadata.uid == deployment.metadata.uid  # repaired in place, not recreated
+
+
+def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
+    targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
+
+    def unschedulable() -> dict | None:
+        status = (targets.get("huge") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
+
+    status = wait_for(unschedulable, "Unschedulable in the Ready condition")
+    assert condition(status, "Degraded")["status"] == "True"
+    assert status["lastFailure"]["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu" in status["lastFailure"]["message"]
+    assert status["phase"] == "Failed"
+    warnings = wait_for(lambda: [e for e in targets.events("huge") if e.type == "Warning"], "a Warning event")
+    assert any(e.reason == "Unschedulable" for e in warnings)
+
+
+def test_external_endpoint_is_probed_and_published(targets: Targets, servers: ServerFarm):
+    url = f"http://{servers.primary[0]}:{servers.primary[1]}"
+    manifest = target_manifest("remote", 8000)
+    manifest["spec"] = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
+    targets.create(manifest)
+
+    status = wait_for(lambda: targets.ready_status("remote"), "the external target Ready")
+    assert status["url"] == url
+    assert status["endpoints"] == [{"address": url, "ready": True}]
+    assert status["model"]["fingerprint"] == server_info(servers)["fingerprint"]
+    assert targets.deployment("remote") is None and targets.service("remote") is None
+    assert targets.pods("remote") == []
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    generation = targets.patch_spec("remote", {"endpoint": {"url": dead}})
+
+    def unreachable() -> dict | None:
+        status = (targets.get("remote") or {}).get("status") or {}
+        degraded = condition(status, "Degraded")
+        fresh = status.get("observedGeneration") == generation
+        return status if fresh and degraded.get("reason") == "EndpointUnreachable" else None
+
+    status = wait_for(unreachable, "the dead endpoint reported unreachable")
+    assert condition(status, "Ready")["status"] == "False"
+    assert status["endpoints"] == [{"address": dead, "ready": False}]
+    assert "model" not in status
+
+
+def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
+    targets: Targets, pod_serving: PodServing, operator: OperatorProcess
+):
+    port = free_port()
+    pod_serving.ports.add(port)
+    targets.create(target_manifest("phoenix", port, replicas=2))
+    targets.create(target_manifest("doomed", free_port()))
+    wait_for(lambda: targets.ready_status("phoenix", replicas=2), "Ready before the restart")
+    wait_for(
+        lambda: ((targets.get("doomed") or {}).get("status") or {}).get("phase"), "the other target handled"
+    )
+    assert not targets.get("phoenix")["metadata"].get("finalizers")
+
+    operator.kill()
+    try:
+        generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1200})
+        # With the operator down, deleting a target it handled still completes at once: no finalizer.
+        targets.delete("doomed")
+        assert targets.get("doomed") is None
+        time.sleep(1)
+        assert targets.get("phoenix")["status"]["observedGeneration"] < generation  # nobody reconciled it
+    finally:
+        operator.start()
+
+    status = wait_for(
+        lambda: targets.ready_status("phoenix", generation, replicas=2), "convergence after restart"
+    )
+    assert targets.deployment("phoenix").spec.progress_deadline_seconds == 1500
+    assert len(status["endpoints"]) == 2
+
+    # Deleting the target lets the garbage collector take the children.
+    targets.delete("phoenix")
+    wait_for(
+        lambda: targets.deployment("phoenix") is None and targets.service("phoenix") is None,
+        "the children garbage-collected",
+        timeout=120,
+    )
