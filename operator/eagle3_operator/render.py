@@ -41,6 +41,7 @@ APP_NAME = "eagle3-target"
 MANAGER = "eagle3-operator"
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def _short_hash(text: str) -> str:
@@ -50,8 +51,8 @@ def _short_hash(text: str) -> str:
 def _fit(text: str, limit: int = NAME_LIMIT) -> str:
     """`text` if it is a DNS-1035 label within `limit`, else a readable prefix plus a hash of the whole.
 
-    Resource names are DNS subdomains (dots, leading digits, up to 253 characters) but Service names and label
-    values are not, so anything that does not fit as is gets a deterministic, collision-resistant stand-in.
+    Resource names are DNS subdomains (dots, leading digits, up to 253 characters) but Service names are
+    not, so a name that does not fit as is gets a deterministic, collision-resistant stand-in.
     """
     if len(text) <= limit and _DNS_LABEL.match(text):
         return text
@@ -62,25 +63,23 @@ def _fit(text: str, limit: int = NAME_LIMIT) -> str:
     return f"{readable}-{_short_hash(text)}"
 
 
-def deployment_name(target_name: str) -> str:
+def child_name(target_name: str) -> str:
+    """The one name all of a target's children share (their kinds differ): the target's, when it fits."""
     return _fit(target_name)
 
 
-def service_name(target_name: str) -> str:
-    return _fit(target_name)
+# The per-kind names of the operator interface; all are the one child name.
+deployment_name = service_name = pdb_name = pod_monitor_name = child_name
 
 
-def pdb_name(target_name: str) -> str:
-    return _fit(target_name)
-
-
-def pod_monitor_name(target_name: str) -> str:
-    return _fit(target_name)
+def _label_value(target_name: str) -> str:
+    """The target's name as a label value: as is when it is one (dots allowed), else the child name."""
+    return target_name if _LABEL_VALUE.match(target_name) else child_name(target_name)
 
 
 def selector_labels(target_name: str) -> dict[str, str]:
     """Labels that pick a target's pods. Only the operator sets them: a Deployment's selector is immutable."""
-    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: _fit(target_name)}
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: _label_value(target_name)}
 
 
 def label_selector(target_name: str) -> str:

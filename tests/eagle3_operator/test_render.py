@@ -355,10 +355,17 @@ def test_short_valid_names_are_kept_and_others_get_a_hash():
     assert render.service_name("x" * 63) == "x" * 63
     long = render.service_name(LONG_NAME)
     assert long.startswith("a-very-long-target-name") and len(long) <= 63
-    assert render.service_name("llama-3.1-8b") != render.service_name(
-        "llama-3-1-8b"
-    )  # '.' is not a Service char
+    dotted = render.service_name("llama-3.1-8b")  # '.' may not appear in a Service name
+    assert dotted.startswith("llama-3-1-8b-") and dotted != render.service_name("llama-3-1-8b")
     assert render.service_name("8b").startswith("e3t-8b-")
+
+
+def test_instance_label_is_the_target_name_whenever_it_can_be():
+    assert render.selector_labels("llama-3.1-8b")["app.kubernetes.io/instance"] == "llama-3.1-8b"
+    assert render.selector_labels("8b")["app.kubernetes.io/instance"] == "8b"
+    too_long = render.selector_labels("x" * 64)["app.kubernetes.io/instance"]
+    assert too_long == render.child_name("x" * 64) and len(too_long) <= 63
+    assert render.selector_labels("x" * 64) != render.selector_labels("x" * 65)
 
 
 @settings(deadline=None)  # no timing assertions: a loaded CI machine must not fail this
