@@ -352,7 +352,12 @@ def build_pdb(
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(pdb_name(name), name, namespace, owner),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A pod still loading its model serves nothing yet; it must not block a node drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 

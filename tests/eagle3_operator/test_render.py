@@ -300,7 +300,9 @@ def test_disruption_budget_only_for_several_replicas(replicas, has_pdb):
     assert ("PodDisruptionBudget" in rendered) is has_pdb
     if has_pdb:
         pdb = rendered["PodDisruptionBudget"]["spec"]
-        assert pdb == {"maxUnavailable": 1, "selector": {"matchLabels": render.selector_labels("tiny")}}
+        assert pdb["maxUnavailable"] == 1
+        assert pdb["selector"] == {"matchLabels": render.selector_labels("tiny")}
+        assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
 def test_pod_monitor_when_enabled_and_its_crd_exists():
