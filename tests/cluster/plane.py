@@ -8,6 +8,7 @@ are off, because the API rejects loopback endpoint addresses; tests and the oper
 
 from __future__ import annotations
 
+import atexit
 import json
 import secrets
 import shutil
@@ -212,8 +213,9 @@ def missing_binaries(bin_dir: Path = BIN_DIR) -> list[str]:
 def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path = BIN_DIR) -> ControlPlane:
     """Start a fresh plane in `directory` (emptied first) and return once pods can be scheduled and run.
 
-    detached=False ties the processes to this Python process (the kernel kills them if it dies);
-    detached=True leaves them running for `python -m tests.cluster down` to stop.
+    detached=False ties the processes to this Python process: they are stopped at interpreter exit, and the
+    kernel kills them if the calling thread dies (so call this from the main thread). detached=True leaves
+    them running for `python -m tests.cluster down` to stop.
     """
     missing = missing_binaries(bin_dir)
     if missing:
@@ -221,6 +223,10 @@ def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path 
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     plane = ControlPlane(directory, [])
+    if not detached:
+        atexit.register(
+            stop, plane.processes
+        )  # a no-op once plane.stop() ran: only live processes are signalled
     began = time.monotonic()
 
     def run(name: str, argv: list[str]) -> Process:

@@ -38,7 +38,7 @@ def gpu_deployment(name: str, replicas: int, gpus: int) -> dict[str, object]:
                         {
                             "name": "main",
                             "image": "example.invalid/none:0",
-                            "resources": {"limits": {"nvidia.com/gpu": gpus}},
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
                         }
                     ]
                 },
