@@ -243,6 +243,8 @@ def transitions(previous: Mapping[str, Any], new: Mapping[str, Any]) -> list[Tra
         old = before.get(condition["type"], {})
         if (old.get("status"), old.get("reason")) == (condition["status"], condition["reason"]):
             continue
+        if not old and condition["type"] != "Ready" and condition["status"] == "False":
+            continue  # A new target that is not progressing or degraded: nothing worth an event.
         failing = condition["type"] == "Degraded" and condition["status"] == "True"
         failing |= condition["type"] == "Ready" and condition["reason"] in FAILURE_PRIORITY
         message = f"{condition['type']}={condition['status']}: {condition['message']}"

@@ -5,7 +5,6 @@ One operator process serves the whole module (it serves namespaces e3op-*); each
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,15 +14,8 @@ import kubernetes
 import pytest
 
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.conftest import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    OperatorProcess,
-    ServerFarm,
-    free_port,
-    wait_for,
-)
+from tests.eagle3_operator.conftest import GROUP, PLURAL, VERSION
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -129,39 +121,9 @@ def targets(cluster: Cluster, op_namespace: str) -> Targets:
     return Targets(cluster, op_namespace)
 
 
-class PodServing:
-    """Keeps a real server answering at IP:port of every running pod in a namespace (as the pod's own
-    server process would), for the ports it has been told to serve."""
-
-    def __init__(self, targets: Targets, farm: ServerFarm) -> None:
-        self.targets = targets
-        self.farm = farm
-        self.ports: set[int] = set()
-        self.bound: set[tuple[str, int]] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pod-serving", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.2):
-            pods = self.targets.core.list_namespaced_pod(self.targets.namespace).items
-            for pod in pods:
-                for port in list(self.ports):
-                    address = (pod.status.pod_ip, port)
-                    if pod.status.pod_ip and address not in self.bound:
-                        self.farm.bind(*address)
-                        self.bound.add(address)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for address in self.bound:
-            self.farm.unbind(*address)
-
-
 @pytest.fixture
 def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
-    serving = PodServing(targets, servers)
+    serving = PodServing(targets.core, targets.namespace, servers)
     try:
         yield serving
     finally:

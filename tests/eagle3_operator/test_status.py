@@ -307,9 +307,9 @@ def test_removed_fields_are_patched_to_null():
 def test_transitions_warn_on_failure_and_inform_on_ready():
     ready = compute_status(observe(), {}, T0)
     events = transitions({}, ready)
-    assert [(e.type, e.reason) for e in events if e.reason == "AllReplicasReady"] == [
-        ("Normal", "AllReplicasReady"),
-        ("Normal", "AllReplicasReady"),
+    # A new target: one event for Ready; "not progressing" and "not degraded" are not news.
+    assert [(e.type, e.reason, e.message.split(":")[0]) for e in events] == [
+        ("Normal", "AllReplicasReady", "Ready=True")
     ]
     assert transitions(ready, compute_status(observe(), ready, T0)) == []
     crash = make_pod("t-a", ready=False, failure=Failure("CrashLoopBackOff", "back-off"))

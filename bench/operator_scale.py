@@ -1,0 +1,204 @@
+"""Operator at scale: N targets created at once → time until all are Ready, then an idle period → writes.
+
+    .venv/bin/python -m bench.operator_scale [--targets 200] [--mode external|pods] [--idle-seconds 60]
+
+Runs against $E3T_KUBECONFIG, else the plane `python -m tests.cluster up` left running, else a private one.
+Mode `external` (default): every target points at one real target server (spec.endpoint.url), so the
+figures are the operator's own cost. Mode `pods`: every target runs one kwok pod (engine hf, no GPU) and
+one real server app answers at every pod's IP. Prints one JSON object:
+- all_ready_seconds: first create → last target Ready (Ready=True for its current generation);
+- create_to_ready_p50/p95_seconds: per target;
+- operator_peak_rss_mib: the operator process's VmHWM;
+- api_requests_per_target: the reconciler's own API requests (kopf's watch streams not included);
+- idle_*: over --idle-seconds after everything is Ready: status writes and child applies the operator
+  counted, and MODIFIED watch events on the targets seen by this script (goal: all zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/operator_scale.py` as well as `python -m bench.operator_scale`
+    sys.path.insert(0, str(REPO))
+
+import kubernetes  # noqa: E402
+from eagle3_target.tiny import write_tiny_model  # noqa: E402
+
+from tests.cluster import plane  # noqa: E402
+from tests.cluster.access import Cluster  # noqa: E402
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port  # noqa: E402
+
+GROUP, VERSION, PLURAL = "eagle3.dev", "v1alpha1", "eagle3targets"
+CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
+
+
+def manifest(name: str, mode: str, url: str, port: int) -> dict:
+    if mode == "external":
+        spec = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
+    else:
+        source = {"hostPath": {"path": "/models/tiny-llama"}}
+        spec = {"model": {"name": "tiny-llama", "source": source}, "engine": "hf", "tensorParallelSize": 0}
+        spec |= {"replicas": 1, "port": port}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Eagle3Target",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def is_ready(body: dict) -> bool:
+    status = body.get("status") or {}
+    generation = body["metadata"]["generation"]
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return ready.get("status") == "True" and ready.get("observedGeneration") == generation
+
+
+class TargetWatch:
+    """Watches the namespace's targets: when each first became Ready, and how many times any was modified."""
+
+    def __init__(self, api_client: kubernetes.client.ApiClient, namespace: str) -> None:
+        self.custom = kubernetes.client.CustomObjectsApi(api_client)
+        self.namespace = namespace
+        self.ready_at: dict[str, float] = {}
+        self.modified = 0
+        self._stopped = False
+        self._watch = kubernetes.watch.Watch()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        stream = self._watch.stream(
+            self.custom.list_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            timeout_seconds=3600,
+        )
+        try:
+            for event in stream:
+                body, name = event["object"], event["object"]["metadata"]["name"]
+                if event["type"] == "MODIFIED":
+                    self.modified += 1
+                if name not in self.ready_at and is_ready(body):
+                    self.ready_at[name] = time.monotonic()
+        except Exception:  # the stream breaks when stop() closes it, or the plane goes away first
+            if not self._stopped:
+                raise
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._watch.stop()
+
+
+def connect(stack: list) -> Cluster:
+    import os
+
+    if os.environ.get("E3T_KUBECONFIG"):
+        return Cluster(Path(os.environ["E3T_KUBECONFIG"]))
+    running = plane.find_running()
+    if running is not None:
+        return running.cluster()
+    own = plane.start(Path(tempfile.mkdtemp(prefix="e3t-bench-plane-")), detached=False)
+    stack.append(own.stop)
+    return own.cluster()
+
+
+def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
+    cleanup: list = []
+    try:
+        cluster = connect(cleanup)
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+        core = kubernetes.client.CoreV1Api(cluster.api_client)
+        namespace = f"e3bench-{secrets.token_hex(3)}"
+        core.create_namespace({"metadata": {"name": namespace}})
+        cleanup.append(lambda: core.delete_namespace(namespace))
+
+        work = Path(tempfile.mkdtemp(prefix="e3t-bench-"))
+        farm = ServerFarm(write_tiny_model(work / "tiny-llama"))
+        cleanup.append(farm.close)
+        url = f"http://{farm.primary[0]}:{farm.primary[1]}"
+        port = free_port()
+        if mode == "pods":
+            serving = PodServing(core, namespace, farm)
+            serving.ports.add(port)
+            cleanup.append(serving.close)
+
+        operator = OperatorProcess(cluster.kubeconfig, work, [namespace], reprobe_seconds=15)
+        operator.start()
+        cleanup.append(operator.stop)
+        watch = TargetWatch(cluster.api_client, namespace)
+        cleanup.append(watch.stop)
+
+        custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+        names = [f"t{i:04d}" for i in range(targets)]
+        created_at: dict[str, float] = {}
+
+        def create(name: str) -> None:
+            created_at[name] = time.monotonic()
+            custom.create_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, manifest(name, mode, url, port)
+            )
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(create, names))
+        while len(watch.ready_at) < targets and time.monotonic() - started < timeout:
+            time.sleep(0.2)
+        ready = [watch.ready_at[n] - created_at[n] for n in names if n in watch.ready_at]
+        all_ready = max(watch.ready_at.values()) - started if len(ready) == targets else None
+        api_requests = operator.metric_total("eagle3_operator_api_requests_total")
+
+        writes_before = operator.metric("eagle3_operator_status_writes_total")
+        applies_before = operator.metric_total("eagle3_operator_child_applies_total")
+        modified_before = watch.modified
+        time.sleep(idle_seconds)
+        quantiles = statistics.quantiles(ready, n=20) if len(ready) >= 2 else [float("nan")] * 19
+        return {
+            "targets": targets,
+            "mode": mode,
+            "ready": len(ready),
+            "all_ready_seconds": round(all_ready, 2) if all_ready is not None else None,
+            "create_to_ready_p50_seconds": round(statistics.median(ready), 3) if ready else None,
+            "create_to_ready_p95_seconds": round(quantiles[18], 3),
+            "operator_peak_rss_mib": round(operator.peak_rss_bytes() / 2**20, 1),
+            "api_requests_per_target": round(api_requests / targets, 2),
+            "status_writes_per_target": round(writes_before / targets, 2),
+            "idle_seconds": idle_seconds,
+            "idle_status_writes": operator.metric("eagle3_operator_status_writes_total") - writes_before,
+            "idle_child_applies": operator.metric_total("eagle3_operator_child_applies_total")
+            - applies_before,
+            "idle_target_modifications_seen": watch.modified - modified_before,
+        }
+    finally:
+        for step in reversed(cleanup):
+            try:
+                step()
+            except Exception as error:  # cleanup is best-effort; the figures are already taken
+                print(f"cleanup step failed: {error}", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", type=int, default=200)
+    parser.add_argument("--mode", choices=("external", "pods"), default="external")
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
+    args = parser.parse_args()
+    print(json.dumps(run(args.targets, args.mode, args.idle_seconds, args.timeout), indent=2))
+
+
+if __name__ == "__main__":
+    main()
