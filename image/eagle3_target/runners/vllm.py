@@ -11,11 +11,13 @@ lazily so the rest of the package works without it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import fcntl
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,21 @@ def check_capture(
     return states
 
 
+def discard_capture(path: str) -> None:
+    """Delete a capture file without reading it, once its writer has finished.
+
+    The connector writes asynchronously while holding LOCK_EX on `path + ".lock"` (created before the path
+    is returned); deleting before the write ends would let the file reappear afterwards and stay in memory.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    with contextlib.suppress(FileNotFoundError), open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+    cleanup_hidden_states(path)
+
+
 def require_eagle3_support(architectures: Sequence[str]) -> None:
     """Fail before starting the engine when vLLM's model class lacks the EAGLE-3 interface.
 
@@ -399,6 +416,11 @@ class VLLMRunner:
     def hidden_states_dir(self) -> Path:
         return self._hidden_states_dir
 
+    @property
+    def max_prompt_len(self) -> int:
+        """Longest row the engine captures correctly: vLLM's resolved max_model_len minus the draft slot."""
+        return int(self._llm.model_config.max_model_len) - 1
+
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
         """Select the aux layers. vLLM fixes capture layers at engine start, so a change restarts it."""
         capture_ids = capture_layer_ids(aux_layer_ids, self._config.num_hidden_layers)
@@ -423,17 +445,24 @@ class VLLMRunner:
         """(final_norm(h_L) [B,S,H], aux [B,S,3H]) unshifted; padding positions are zeros."""
         ids, mask = check_inputs(input_ids, attention_mask, self._config.vocab_size)
         lengths = mask.sum(dim=1).tolist()
+        if max(lengths) > self.max_prompt_len:
+            raise ValueError(
+                f"a row has {max(lengths)} tokens; the vLLM engine captures at most {self.max_prompt_len} "
+                "(max_model_len - 1: vLLM skips the capture of a whole batch whose longest row plus the one "
+                "speculative slot exceeds max_model_len)"
+            )
         batch, seq = ids.shape
         hidden = self._config.hidden_size
         dtype = self.model.norm.dtype
         final = torch.zeros(batch, seq, hidden, dtype=dtype, device=self._device)
         aux = torch.zeros(batch, seq, len(self._aux_layer_ids) * hidden, dtype=dtype, device=self._device)
         prompts = [ids[r, : lengths[r]].tolist() for r in range(batch)]
-        for r, (prompt, states) in enumerate(zip(prompts, self.capture(prompts), strict=True)):
-            states = states.to(device=self._device, dtype=dtype)
-            n = len(prompt)
-            aux[r, :n] = states[:, : len(self._aux_layer_ids)].flatten(start_dim=1)
-            final[r, :n] = rms_norm(states[:, -1], self.model.norm, self._config.rms_norm_eps)
+        with contextlib.closing(self.capture(prompts)) as captures:
+            for r, (prompt, states) in enumerate(zip(prompts, captures, strict=True)):
+                states = states.to(device=self._device, dtype=dtype)
+                n = len(prompt)
+                aux[r, :n] = states[:, : len(self._aux_layer_ids)].flatten(start_dim=1)
+                final[r, :n] = rms_norm(states[:, -1], self.model.norm, self._config.rms_norm_eps)
         return final, aux
 
     def forward_eagle3(
@@ -443,9 +472,9 @@ class VLLMRunner:
         final, aux = self.forward_hidden(input_ids, attention_mask)
         return F.linear(final, self.model.lm_head), aux
 
-    def capture(self, prompts: list[list[int]]) -> Iterator[Tensor]:
+    def capture(self, prompts: list[list[int]]) -> Generator[Tensor]:
         """Run the prompts as one `generate` call; yield each row's [n, 3+1, H] states in request order
-        (aux in the requested order, then h_L)."""
+        (aux in the requested order, then h_L). Every row's file is gone once the generator is closed."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
@@ -471,4 +500,4 @@ class VLLMRunner:
             # A failed row must not leave the other rows' files behind in shared memory.
             for path in paths:
                 if path is not None:
-                    cleanup_hidden_states(path)
+                    discard_capture(path)

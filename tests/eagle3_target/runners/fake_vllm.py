@@ -200,7 +200,9 @@ class LLM:
             )
         resolved = resolve_auto_dtype(hf_model.config.dtype) if dtype == "auto" else getattr(torch, dtype)
         self.hf_model = hf_model.to(resolved).eval()
-        self.model_config = types.SimpleNamespace(dtype=resolved)
+        # ModelConfig.max_model_len: the engine argument, else derived from the checkpoint's config.
+        max_model_len = kwargs.get("max_model_len") or hf_model.config.max_position_embeddings
+        self.model_config = types.SimpleNamespace(dtype=resolved, max_model_len=max_model_len)
         self.llm_engine = types.SimpleNamespace(engine_core=EngineCoreClient())
         self.request_counter = itertools.count()
         self.writer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-hs-save")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -230,6 +231,11 @@ def test_bad_captures_are_refused_and_files_removed(
     tiny_llama_dir, fake_vllm, shm, monkeypatch, fault, message
 ):
     runner = open_runner(tiny_llama_dir, shm)
+    # One slow writer thread: rows 1-2 are still being written when row 0 fails; their files must be
+    # deleted after the writes end, or they reappear.
+    llm = fake_vllm.LLM.created[-1]
+    llm.write_delay_s = 0.05
+    llm.writer = ThreadPoolExecutor(max_workers=1)
     monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(fault))
     input_ids, mask = ragged_batch(256)
     with pytest.raises(RuntimeError, match=message):
@@ -239,6 +245,17 @@ def test_bad_captures_are_refused_and_files_removed(
     monkeypatch.setattr(fake_vllm.LLM, "capture_fault", None)
     _, aux_states = runner.forward_eagle3(input_ids, mask)
     assert torch.isfinite(aux_states).all()
+    assert not any(runner.hidden_states_dir.iterdir()), "no write of the failed call may land afterwards"
+    runner.close()
+
+
+def test_rows_longer_than_max_model_len_minus_one_are_refused(tiny_llama_dir, fake_vllm, shm):
+    runner = open_runner(tiny_llama_dir, shm, max_model_len=16)
+    assert runner.max_prompt_len == 15
+    _, aux_states = runner.forward_eagle3(torch.ones(1, 15, dtype=torch.long))
+    assert aux_states.shape == (1, 15, 3 * HIDDEN)
+    with pytest.raises(ValueError, match=r"a row has 16 tokens; the vLLM engine captures at most 15"):
+        runner.forward_eagle3(torch.ones(2, 16, dtype=torch.long))
     runner.close()
 
 
