@@ -196,16 +196,16 @@ def project_to_draft_vocab(logits: Tensor, mapping: VocabMapping, loss_mask: Ten
     return target_probs, position_mask
 
 
-def check_runner_output_shapes(aux: Tensor, input_ids: Tensor, *others: Tensor) -> None:
+def check_aligned(batch_shape: tuple[int, ...], aux: Tensor, *others: Tensor) -> None:
     """Raise ValueError unless aux is [B,S,3H] and the other tensors start with the same [B,S]."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-    bs = tuple(input_ids.shape)
+    bs = tuple(batch_shape)
+    if len(bs) != 2:
+        raise ValueError(f"expected a [B, S] batch, got shape {bs}")
     if aux.dim() != 3 or tuple(aux.shape[:2]) != bs or aux.shape[-1] % NUM_AUX_LAYERS:
         raise ValueError(f"aux_hidden_states must be [B, S, 3H] with [B, S]={bs}, got {tuple(aux.shape)}")
     for t in others:
         if tuple(t.shape[:2]) != bs:
-            raise ValueError(f"tensor of shape {tuple(t.shape)} does not match input_ids [B, S]={bs}")
+            raise ValueError(f"tensor of shape {tuple(t.shape)} does not match [B, S]={bs}")
 
 
 def build_batch(
@@ -222,7 +222,7 @@ def build_batch(
     projection of the shifted logits (what NeMo's remote server computes), so the zero row appended by the
     shift becomes a uniform distribution with an unset position mask, as in NeMo.
     """
-    check_runner_output_shapes(aux, input_ids, logits, attention_mask, loss_mask)
+    check_aligned(tuple(input_ids.shape), aux, logits, attention_mask, loss_mask)
     shifted_logits = shift_left(logits)
     shifted_loss_mask = shift_left(loss_mask)
     common = {

@@ -21,11 +21,17 @@ from eagle3_target.contract import (
     Eagle3TargetBatch,
     VocabMapping,
     build_batch,
-    check_runner_output_shapes,
+    check_aligned,
     shift_left,
 )
 
 FORMATS = ("hidden", "draft", "probs", "logits")
+FORMAT_TENSORS = {
+    "hidden": ("aux_hidden_states", "final_hidden"),
+    "draft": ("aux_hidden_states", "draft_logits", "logsumexp", "argmax"),
+    "probs": ("aux_hidden_states", "target_probs", "position_mask"),
+    "logits": ("aux_hidden_states", "logits"),
+}
 # 1024 tokens of fp32 logits at V=128k is 0.5 GB: small next to an 8B model, and big enough to keep
 # the GEMM efficient.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -76,7 +82,7 @@ def supervision(
     _check_format(fmt, mapping)
     if final_hidden.dim() != 3:
         raise ValueError(f"final_hidden must be [B, S, H], got {tuple(final_hidden.shape)}")
-    check_runner_output_shapes(aux, final_hidden[..., 0], final_hidden)
+    check_aligned(tuple(final_hidden.shape[:2]), aux)
     if fmt == "hidden":
         return {"aux_hidden_states": aux, "final_hidden": final_hidden}
     if chunk_tokens < 1:
@@ -87,11 +93,13 @@ def supervision(
     batch, seq, _ = final_hidden.shape
     rows = final_hidden.reshape(batch * seq, -1)
     device = rows.device
+    lm_head_weight = lm_head_weight.to(device)
     out: dict[str, Tensor]
     if fmt == "logits":
         out = {"logits": torch.empty(batch * seq, vocab, dtype=logits_dtype, device=device)}
     else:
-        mapping = mapping.to(device)  # type: ignore[union-attr]
+        assert mapping is not None  # _check_format requires it for the draft-vocab formats
+        mapping = mapping.to(device)
         draft_vocab = mapping.draft_vocab_size
         if fmt == "draft":
             out = {
@@ -138,6 +146,9 @@ def batch_from_supervision(
     With a mapping the batch carries draft-vocab probabilities, without one full logits.
     """
     _check_format(fmt, mapping)
+    missing = [name for name in FORMAT_TENSORS[fmt] if name not in tensors]
+    if missing:
+        raise ValueError(f"format {fmt!r} needs tensors {missing}, got {sorted(tensors)}")
     aux = tensors["aux_hidden_states"]
     if fmt in ("hidden", "logits"):
         if fmt == "hidden":
@@ -147,19 +158,24 @@ def batch_from_supervision(
         else:
             logits = tensors["logits"]
         return build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping)
+    assert mapping is not None  # _check_format requires it for the draft-vocab formats
+    draft_vocab = tensors["draft_logits" if fmt == "draft" else "target_probs"].shape[-1]
+    if draft_vocab != mapping.draft_vocab_size:
+        raise ValueError(
+            f"the supervision has {draft_vocab} draft tokens, the mapping {mapping.draft_vocab_size}"
+        )
+    check_aligned(tuple(input_ids.shape), aux, *(tensors[name] for name in FORMAT_TENSORS[fmt]), loss_mask)
     shifted_loss_mask = shift_left(loss_mask)
     if fmt == "draft":
-        check_runner_output_shapes(aux, input_ids, tensors["draft_logits"], tensors["argmax"], loss_mask)
         target_probs, position_mask = probs_from_draft(
             shift_left(tensors["draft_logits"]), shift_left(tensors["argmax"]), mapping, shifted_loss_mask
         )
     else:
-        probs, unshifted_mask = tensors["target_probs"], tensors["position_mask"]
-        check_runner_output_shapes(aux, input_ids, probs, unshifted_mask, loss_mask)
+        probs = tensors["target_probs"]
         # NeMo shifts the logits, so its tail row is the softmax of zeros, not zeros.
         tail = torch.softmax(torch.zeros_like(probs[:, :1]), dim=-1)
         target_probs = torch.cat((probs[:, 1:], tail), dim=1)
-        position_mask = (shift_left(unshifted_mask) & shifted_loss_mask.bool()).unsqueeze(-1)
+        position_mask = (shift_left(tensors["position_mask"]) & shifted_loss_mask.bool()).unsqueeze(-1)
     return Eagle3TargetBatch(
         aux_hidden_states=aux,
         input_ids=shift_left(input_ids),

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch, project_to_draft_vocab
 from eagle3_target.formats import (
     FORMATS,
@@ -147,6 +148,21 @@ def test_chunking_changes_nothing_but_the_gemm_row_count(target, fmt, chunk_toke
     assert clear.float().mean() > 0.9
 
 
+@pytest.mark.parametrize("fmt", ["logits", "draft", "probs"])
+def test_full_logits_exist_only_one_chunk_at_a_time(target, fmt, monkeypatch):
+    seen_rows = []
+
+    def recording_logits_from_hidden(final_hidden, lm_head_weight):
+        seen_rows.append(final_hidden.shape[0])
+        return logits_from_hidden(final_hidden, lm_head_weight)
+
+    monkeypatch.setattr(formats, "logits_from_hidden", recording_logits_from_hidden)
+    supervision(
+        fmt, target["final"], target["aux"], target["lm_head"], mapping=target["mapping"], chunk_tokens=8
+    )
+    assert seen_rows == [8, 8, 8, 6]  # 30 tokens
+
+
 def test_probs_from_draft_equals_the_projection_in_the_same_frame(target):
     logits, mapping, loss_mask = target["logits"], target["mapping"], target["loss_mask"]
     probs, mask = probs_from_draft(
@@ -171,6 +187,14 @@ def test_bad_requests_are_refused(target):
         supervision("logits", final, aux[:, :-1], lm_head)
     with pytest.raises(ValueError, match="lm_head"):
         logits_from_hidden(final, lm_head.to(torch.float16))
+    common = (target["input_ids"], target["attention_mask"], target["loss_mask"])
+    with pytest.raises(ValueError, match="needs tensors"):
+        batch_from_supervision("draft", {"aux_hidden_states": aux}, *common, mapping=target["mapping"])
+    sent = supervision("probs", final, aux, lm_head, mapping=target["mapping"])
+    with pytest.raises(ValueError, match="100 draft tokens, the mapping 2"):
+        batch_from_supervision("probs", sent, *common, mapping=VocabMapping.from_selected_ids([1, 2], 256))
+    with pytest.raises(ValueError, match="does not match"):
+        batch_from_supervision("probs", sent, *common[:2], common[2][:, :5], mapping=target["mapping"])
     with pytest.raises(ValueError, match="needs the lm_head"):
         batch_from_supervision(
             "hidden",
