@@ -15,8 +15,10 @@ import pytest
 
 from tests.cluster import plane
 from tests.cluster.access import Cluster
+from tests.cluster.processes import log_tail
 
 NOT_RUN_OUTCOMES = ("skipped", "xfailed", "xpassed")
+LOG_TAIL_LINES = 10
 _log_dirs: list[Path] = []  # where the logs of the plane this session used are, for the failure summary
 
 
@@ -61,13 +63,15 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """After a failed cluster test, say where the control plane's logs are."""
+    """After a failed cluster test, show where the control plane's logs are and how they end (CI keeps only
+    the console)."""
     failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
     if _log_dirs and any("cluster" in report.keywords for report in failed):
         terminalreporter.write_sep("=", "control plane logs")
         for directory in _log_dirs:
             for log in sorted(directory.glob("*.log")):
-                terminalreporter.write_line(str(log))
+                terminalreporter.write_line(f"--- {log} (last {LOG_TAIL_LINES} lines)")
+                terminalreporter.write_line(log_tail(log, LOG_TAIL_LINES))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -79,18 +79,18 @@ def spawn(name: str, argv: Sequence[str], log: Path, *, die_with_parent: bool) -
     return Process(name, popen.pid, start_ticks, log, popen)
 
 
-def stop(processes: Iterable[Process], grace_seconds: float = 15.0) -> None:
-    """SIGTERM every process group, wait up to `grace_seconds` for all, then SIGKILL what is left."""
-    remaining = [p for p in processes if p.alive()]
-    for process in reversed(remaining):
-        _signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + grace_seconds
-    while remaining and time.monotonic() < deadline:
-        time.sleep(0.1)
-        remaining = [p for p in remaining if p.alive()]
-    for process in remaining:
-        _signal_group(process, signal.SIGKILL)
-    for process in processes:
+def stop(processes: Sequence[Process], grace_seconds: float = 10.0) -> None:
+    """Stop in reverse start order, each before the next, so that a server is never left waiting on a
+    dependency that went first (kube-apiserver takes ~10 s to exit without etcd, ~1 s with it):
+    SIGTERM its process group, wait up to `grace_seconds`, then SIGKILL."""
+    for process in reversed(processes):
+        if process.alive():
+            _signal_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + grace_seconds
+            while process.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if process.alive():
+                _signal_group(process, signal.SIGKILL)
         if process.popen is not None:
             process.popen.wait()
 

@@ -9,6 +9,7 @@ import ipaddress
 import json
 import secrets
 import threading
+from pathlib import Path
 
 import kubernetes
 import pytest
@@ -270,18 +271,29 @@ def test_kubectl_matches_the_server_version(cluster: Cluster):
     assert versions["clientVersion"]["gitVersion"] == server
 
 
-def test_helm_installs_a_chart_that_sees_the_server_version(cluster: Cluster, namespace: str, tmp_path):
-    assert cluster.helm("version", "--template", "{{.Version}}").stdout.startswith("v3.")
-    chart = tmp_path / "probe"
-    (chart / "templates").mkdir(parents=True)
-    (chart / "Chart.yaml").write_text(
+def probe_chart(directory: Path) -> Path:
+    """A chart whose one ConfigMap records the Kubernetes version helm believes it deploys to."""
+    (directory / "templates").mkdir(parents=True)
+    (directory / "Chart.yaml").write_text(
         yaml.safe_dump({"apiVersion": "v2", "name": "probe", "version": "0.1.0"})
     )
-    (chart / "templates" / "version.yaml").write_text(
+    (directory / "templates" / "version.yaml").write_text(
         yaml.safe_dump(config_map("probe", kubeVersion="{{ .Capabilities.KubeVersion.Version }}"))
     )
+    return directory
+
+
+def test_helm_installs_a_chart_that_sees_the_server_version(cluster: Cluster, namespace: str, tmp_path):
+    assert cluster.helm("version", "--template", "{{.Version}}").stdout.startswith("v3.")
+    chart = probe_chart(tmp_path / "probe")
+    server = kubernetes.client.VersionApi(cluster.api_client).get_code()
+
+    offline = yaml.safe_load(cluster.helm("template", "probe", str(chart)).stdout)
+    assert offline["data"]["kubeVersion"].startswith(
+        f"v{server.major}.{server.minor}."
+    )  # helm's built-in default
+
     cluster.helm("install", "probe", str(chart), "--namespace", namespace, "--wait", "--timeout", "60s")
     rendered = kubernetes.client.CoreV1Api(cluster.api_client).read_namespaced_config_map("probe", namespace)
-    server = kubernetes.client.VersionApi(cluster.api_client).get_code().git_version
-    assert rendered.data["kubeVersion"] == server
+    assert rendered.data["kubeVersion"] == server.git_version
     assert "probe" in cluster.helm("list", "--namespace", namespace, "--short").stdout.split()
