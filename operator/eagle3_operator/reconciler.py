@@ -232,6 +232,16 @@ class Reconciler:
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)
         if patch:
+            ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+            logger.info(
+                "%s/%s: %s, Ready=%s (%s); writing %s",
+                namespace,
+                name,
+                status["phase"],
+                ready["status"],
+                ready["reason"],
+                ", ".join(sorted(patch)),
+            )
             response = await self._api.patch_status(namespace, name, patch)
             metrics.STATUS_WRITES.inc()
             memory.written_status = status
