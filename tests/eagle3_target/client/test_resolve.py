@@ -11,7 +11,6 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-import yaml
 from eagle3_target.client import (
     ResolvedTarget,
     ResolveTimeout,
@@ -20,86 +19,9 @@ from eagle3_target.client import (
     TargetNotFound,
     resolve,
 )
-from eagle3_target.client.resolve import EAGLE3_TARGET, TargetResource, readiness
-from kubernetes.client.rest import ApiException
+from eagle3_target.client.resolve import TargetResource, readiness
 
-REPO = Path(__file__).resolve().parents[3]
-CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
-GROUP, VERSION, PLURAL = EAGLE3_TARGET.group, EAGLE3_TARGET.version, EAGLE3_TARGET.plural
-MODEL_STATUS = {
-    "name": "tiny-llama",
-    "revision": "r1",
-    "dtype": "float32",
-    "engine": "hf",
-    "numHiddenLayers": 8,
-    "hiddenSize": 64,
-    "vocabSize": 256,
-    "auxLayerIds": [1, 3, 4],
-    "fingerprint": "fp-123",
-}
-
-
-@pytest.fixture(scope="module")
-def crd(cluster) -> None:
-    """The Eagle3Target CRD, installed once if absent and Established."""
-    api = kubernetes.client.ApiextensionsV1Api(cluster.api_client)
-    manifest = yaml.safe_load(CRD_FILE.read_text())
-    try:
-        api.create_custom_resource_definition(manifest)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", f"crd/{manifest['metadata']['name']}"
-    )
-
-
-@pytest.fixture
-def objects(cluster, crd) -> kubernetes.client.CustomObjectsApi:
-    return kubernetes.client.CustomObjectsApi(cluster.api_client)
-
-
-def create_target(objects, namespace: str, name: str) -> dict:
-    body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "Eagle3Target",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny"}}},
-            "engine": "hf",
-        },
-    }
-    return objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-
-
-def write_status(objects, namespace: str, name: str, status: dict) -> None:
-    objects.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
-
-
-def status(
-    generation: int, ready: str, reason: str, *, ready_generation: int | None = None, port: int = 8000
-) -> dict:
-    condition_generation = generation if ready_generation is None else ready_generation
-    return {
-        "observedGeneration": generation,
-        "phase": "Ready" if ready == "True" else "Loading",
-        "conditions": [
-            {
-                "type": "Ready",
-                "status": ready,
-                "reason": reason,
-                "message": f"{reason} at generation {generation}",
-                "lastTransitionTime": "2026-01-01T00:00:00Z",
-                "observedGeneration": condition_generation,
-            }
-        ],
-        "url": f"http://tiny.ns.svc:{port}",
-        "endpoints": [
-            {"pod": "tiny-0", "address": f"http://127.0.0.2:{port}", "ready": True, "node": "n0"},
-            {"pod": "tiny-1", "address": f"http://127.0.0.3:{port}", "ready": False, "node": "n1"},
-        ],
-        "model": MODEL_STATUS,
-    }
+from tests.eagle3_target.client.helpers import GROUP, PLURAL, VERSION, create_target, status, write_status
 
 
 def still_waiting(thread: threading.Thread) -> bool:

@@ -12,7 +12,7 @@ import torch
 from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClient, TargetUnavailable
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
 
-from tests.eagle3_target.client.helpers import token_batch
+from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
 from tests.eagle3_target.server.server_process import free_port
 
 FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
@@ -54,7 +54,7 @@ def assert_identical(got: Eagle3TargetBatch, expected: Eagle3TargetBatch) -> Non
 def test_batch_equals_in_process_hf_batch(llama_server, llama_runner, fmt, with_mapping):
     mapping = draft_mapping() if with_mapping else None
     expected = reference(llama_runner, seed=1, mapping=mapping)
-    with TargetClient(llama_server.url) as client:
+    with TargetClient(llama_server.url, token=TOKEN) as client:
         got = client.batch(*token_batch(1), format=fmt, mapping=mapping)
     assert_identical(got, expected)
     if mapping is not None:
@@ -62,13 +62,16 @@ def test_batch_equals_in_process_hf_batch(llama_server, llama_runner, fmt, with_
 
 
 def test_formats_that_need_a_vocab_refuse_to_run_without_one(llama_server):
-    with TargetClient(llama_server.url) as client, pytest.raises(ValueError, match="draft vocabulary"):
+    with (
+        TargetClient(llama_server.url, token=TOKEN) as client,
+        pytest.raises(ValueError, match="draft vocabulary"),
+    ):
         client.supervise(token_batch(1)[0], format="probs")
 
 
 def test_as_target_runner_gives_nemos_runner_surface(llama_server, llama_runner):
     input_ids, attention_mask, _ = token_batch(2)
-    with TargetClient(llama_server.url) as client:
+    with TargetClient(llama_server.url, token=TOKEN) as client:
         runner = client.as_target_runner()
         config = runner.model.config
         assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (8, 64, 256)
@@ -84,7 +87,7 @@ def test_as_target_runner_gives_nemos_runner_surface(llama_server, llama_runner)
 
 
 def test_bad_input_is_rejected_once_and_the_server_keeps_serving(llama_server, llama_runner):
-    with TargetClient(llama_server.url) as client:
+    with TargetClient(llama_server.url, token=TOKEN) as client:
         with pytest.raises(RequestRejected) as rejected:
             client.supervise(torch.tensor([[1, 2, 9999]]))
         assert rejected.value.status_code == 422
@@ -110,7 +113,7 @@ def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
     seeds = list(range(10, 22))
     expected = [reference(llama_runner, seed) for seed in seeds]
     delivered: list[Eagle3TargetBatch] = []
-    with TargetClient([llama_server.url, doomed.url], **FAST_RETRIES) as client:
+    with TargetClient([llama_server.url, doomed.url], token=TOKEN, **FAST_RETRIES) as client:
         for batch in client.prefetch((token_batch(seed) for seed in seeds), depth=3):
             delivered.append(batch)
             if len(delivered) == 3:
@@ -125,41 +128,37 @@ def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
         assert torch.equal(got.input_ids, want.input_ids)
 
 
-def test_a_loading_server_answers_503_and_the_client_waits_for_it(spawn_server, tiny_llama_dir, llama_runner):
+def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
+    spawn_server, tiny_llama_dir, llama_runner
+):
+    """Nothing listens, then the server loads (503), then serves. Restarted with other aux layers, the
+    target's fingerprint changes: a strict client refuses it; a tolerant one adopts it (and drops caches)."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    strict = TargetClient(url, max_attempts=10_000, give_up_after_s=180, **FAST_RETRIES)
+    tolerant = TargetClient(url, allow_fingerprint_change=True, max_attempts=10_000, **FAST_RETRIES)
     outcome: list[Eagle3TargetBatch | BaseException] = []
-    client = TargetClient(
-        f"http://127.0.0.1:{port}", max_attempts=10_000, give_up_after_s=180, **FAST_RETRIES
-    )
 
     def fetch() -> None:
         try:
-            outcome.append(client.batch(*token_batch(4)))
+            outcome.append(strict.batch(*token_batch(4)))
         except BaseException as exc:
             outcome.append(exc)
 
     fetcher = threading.Thread(target=fetch)
     fetcher.start()
-    while client.stats["connection_errors"] == 0:  # nothing listens yet: the first attempt must fail
+    while strict.stats["connection_errors"] == 0:  # nothing listens yet: the first attempt must fail
         time.sleep(0.05)
-    server = spawn_server(tiny_llama_dir, port=port, wait_ready=False)
+    first = spawn_server(tiny_llama_dir, port=port, wait_ready=False)
     fetcher.join(timeout=180)
-    client.close()
     [got] = outcome
     assert isinstance(got, Eagle3TargetBatch), got
     assert_identical(got, reference(llama_runner, seed=4))
-    assert client.stats["status_503"] >= 1, (client.stats, server.log()[-2000:])
+    assert strict.stats["status_503"] >= 1, (strict.stats, first.log()[-2000:])
 
-
-def test_fingerprint_change_mid_run_is_refused_unless_allowed(spawn_server, tiny_llama_dir):
-    port = free_port()
-    first = spawn_server(tiny_llama_dir, port=port)
     input_ids = token_batch(5)[0]
-    strict = TargetClient(first.url, **FAST_RETRIES)
-    tolerant = TargetClient(first.url, allow_fingerprint_change=True, **FAST_RETRIES)
-    for client in (strict, tolerant):
-        client.supervise(input_ids)
-        assert client.info()["aux_layer_ids"] == [1, 3, 4]
+    tolerant.supervise(input_ids)
+    assert tolerant.info()["aux_layer_ids"] == [1, 3, 4]
     started_with = strict.fingerprint
     first.stop()
     spawn_server(tiny_llama_dir, "--aux-layer-ids", "0", "2", "5", port=port)
@@ -174,13 +173,38 @@ def test_fingerprint_change_mid_run_is_refused_unless_allowed(spawn_server, tiny
     tolerant.close()
 
 
-def test_bearer_token_is_sent(spawn_server, tiny_llama_dir, tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret\n")
-    server = spawn_server(tiny_llama_dir, "--auth-token-file", str(token_file))
-    with TargetClient(server.url) as anonymous, pytest.raises(RequestRejected) as rejected:
+def test_bearer_token_is_sent(llama_server):
+    with TargetClient(llama_server.url) as anonymous, pytest.raises(RequestRejected) as rejected:
         anonymous.info()
     assert rejected.value.status_code == 401
-    with TargetClient(server.url, token="s3cret") as client:
+    with TargetClient(llama_server.url, token=TOKEN) as client:
         assert client.info()["num_hidden_layers"] == 8
-    assert httpx.get(server.url + "/v1/info").status_code == 401
+
+
+def test_client_by_resource_name_follows_endpoint_changes(
+    cluster, namespace, objects, llama_server, llama_runner
+):
+    """The operator moved the target: the published endpoint died and a new one appeared in status."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    published = status(1, "True", "Serving")
+    published["model"] = published["model"] | {"fingerprint": llama_server_fingerprint(llama_server)}
+    create_target(objects, namespace, "moving")
+    write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(dead)]})
+    client = TargetClient.from_target(
+        "moving", namespace, wait=30, kubeconfig=str(cluster.kubeconfig), token=TOKEN, **FAST_RETRIES
+    )
+    assert client.pool.urls == (dead,)
+    write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(llama_server.url)]})
+    with client:
+        assert_identical(client.batch(*token_batch(6)), reference(llama_runner, seed=6))
+    assert client.pool.urls == (llama_server.url,)
+    assert client.stats["refreshes"] >= 1
+
+
+def endpoint(url: str) -> dict:
+    return {"pod": "target-0", "address": url, "ready": True, "node": "gpu-0"}
+
+
+def llama_server_fingerprint(server) -> str:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    return httpx.get(server.url + "/v1/info", headers=headers, timeout=10).json()["fingerprint"]
