@@ -23,17 +23,29 @@ def serve(
         tuple[int, int, int] | None,
         typer.Option(envvar=ENV + "AUX_LAYER_IDS", help="Three HF aux layer ids; default [1, L//2-1, L-4]."),
     ] = None,
-    tensor_parallel_size: Annotated[int, typer.Option(envvar=ENV + "TENSOR_PARALLEL_SIZE")] = 1,
-    max_model_len: Annotated[int | None, typer.Option(envvar=ENV + "MAX_MODEL_LEN")] = None,
+    tensor_parallel_size: Annotated[
+        int, typer.Option(envvar=ENV + "TENSOR_PARALLEL_SIZE", help="GPUs per replica (vllm).")
+    ] = 1,
+    max_model_len: Annotated[
+        int | None, typer.Option(envvar=ENV + "MAX_MODEL_LEN", help="Longest accepted sequence.")
+    ] = None,
     engine_arg: Annotated[
         list[str] | None,
         typer.Option(envvar=ENV + "ENGINE_ARGS", help="Extra engine argument KEY=VALUE (repeatable)."),
     ] = None,
     host: Annotated[str, typer.Option(envvar=ENV + "HOST")] = "0.0.0.0",
     port: Annotated[int, typer.Option(envvar=ENV + "PORT")] = 8000,
-    max_batch_tokens: Annotated[int, typer.Option(envvar=ENV + "MAX_BATCH_TOKENS")] = 32768,
-    max_queue: Annotated[int, typer.Option(envvar=ENV + "MAX_QUEUE")] = 64,
-    auth_token_file: Annotated[Path | None, typer.Option(envvar=ENV + "AUTH_TOKEN_FILE")] = None,
+    max_batch_tokens: Annotated[
+        int,
+        typer.Option(envvar=ENV + "MAX_BATCH_TOKENS", help="Most tokens per request and per engine batch."),
+    ] = 32768,
+    max_queue: Annotated[
+        int,
+        typer.Option(envvar=ENV + "MAX_QUEUE", help="Requests that may wait for the engine; more get 429."),
+    ] = 64,
+    auth_token_file: Annotated[
+        Path | None, typer.Option(envvar=ENV + "AUTH_TOKEN_FILE", help="Require this bearer token.")
+    ] = None,
     trust_remote_code: Annotated[bool, typer.Option(envvar=ENV + "TRUST_REMOTE_CODE")] = False,
     model_name: Annotated[
         str | None, typer.Option(envvar=ENV + "MODEL_NAME", help="Name in /v1/info.")
