@@ -1,4 +1,9 @@
-"""Training-side client: resolve an `Eagle3Target` by name and pull supervision batches from its servers."""
+"""Training-side client: resolve an `Eagle3Target` by name and pull supervision batches from its servers.
+
+`TargetClient` loads lazily: it needs torch, and `eagle3-target resolve` should not wait for that.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from eagle3_target.client.errors import (
     ClientError,
@@ -13,7 +18,9 @@ from eagle3_target.client.errors import (
 )
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.resolve import ModelInfo, ResolvedTarget, resolve
-from eagle3_target.client.target_client import TargetClient
+
+if TYPE_CHECKING:
+    from eagle3_target.client.target_client import TargetClient
 
 __all__ = [
     "ClientError",
@@ -31,3 +38,11 @@ __all__ = [
     "prefetch",
     "resolve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TargetClient":
+        from eagle3_target.client.target_client import TargetClient
+
+        return TargetClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
