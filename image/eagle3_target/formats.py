@@ -25,13 +25,13 @@ from eagle3_target.contract import (
     shift_left,
 )
 
-FORMATS = ("hidden", "draft", "probs", "logits")
 FORMAT_TENSORS = {
     "hidden": ("aux_hidden_states", "final_hidden"),
     "draft": ("aux_hidden_states", "draft_logits", "logsumexp", "argmax"),
     "probs": ("aux_hidden_states", "target_probs", "position_mask"),
     "logits": ("aux_hidden_states", "logits"),
 }
+FORMATS = tuple(FORMAT_TENSORS)
 # 1024 tokens of fp32 logits at V=128k is 0.5 GB: small next to an 8B model, and big enough to keep
 # the GEMM efficient.
 DEFAULT_CHUNK_TOKENS = 1024
