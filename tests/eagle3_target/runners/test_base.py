@@ -1,0 +1,25 @@
+"""Runner-independent helpers: input checks and config reading."""
+
+from types import SimpleNamespace
+
+import torch
+from eagle3_target.runners.base import check_inputs, text_config
+
+
+def test_missing_attention_mask_means_every_token_is_real():
+    ids, mask = check_inputs(torch.tensor([[1, 2, 3]], dtype=torch.int32), None, vocab_size=4)
+    assert ids.dtype == torch.int64 and torch.equal(mask, torch.ones(1, 3, dtype=torch.int64))
+
+
+def test_bool_masks_and_right_padding_are_accepted():
+    padded = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    _, mask = check_inputs(torch.tensor([[1, 2, 3], [3, 0, 0]]), padded.bool(), vocab_size=4)
+    assert mask.dtype == torch.int64 and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_text_config_reads_through_multimodal_wrappers():
+    inner = SimpleNamespace(num_hidden_layers=12, hidden_size=8, vocab_size=10)
+    assert text_config(SimpleNamespace(text_config=inner, num_hidden_layers=None)) is inner
+    plain = SimpleNamespace(num_hidden_layers=4)
+    assert text_config(plain) is plain
+    assert text_config(SimpleNamespace(text_config=None, num_hidden_layers=4)).num_hidden_layers == 4
