@@ -57,7 +57,7 @@ def status() -> None:
         typer.echo(f"{process.name:<24} pid {process.pid:<8} {state:<8} {process.log}")
     typer.echo(f"kubeconfig: {running.kubeconfig}")
     if plane.find_running() is None:
-        typer.echo("the plane is not healthy: run `python -m tests.cluster down` then `up`")
+        typer.echo("the plane is not healthy: `python -m tests.cluster up` restarts it")
         raise typer.Exit(1)
     for node in kubernetes.client.CoreV1Api(running.cluster().api_client).list_node().items:
         gpus = (node.status.allocatable or {}).get(nodes.GPU_RESOURCE, "0")

@@ -206,6 +206,15 @@ class ControlPlane:
         return cls(directory, [Process.from_json(p) for p in state["processes"]], state["timings"])
 
 
+def write_credentials(directory: Path) -> str:
+    """The admin's static bearer token (tokens.csv; returned) and the ServiceAccount signing key (sa.key)."""
+    token = secrets.token_urlsafe(32)
+    (directory / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
+    keygen = ["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"]
+    subprocess.run([*keygen, str(directory / "sa.key")], check=True, capture_output=True)
+    return token
+
+
 def missing_binaries(bin_dir: Path = BIN_DIR) -> list[str]:
     return [name for name in BINARIES if not (bin_dir / name).exists()]
 
@@ -223,10 +232,8 @@ def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path 
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     plane = ControlPlane(directory, [])
-    if not detached:
-        atexit.register(
-            stop, plane.processes
-        )  # a no-op once plane.stop() ran: only live processes are signalled
+    if not detached:  # a no-op once plane.stop() ran: only live processes are signalled
+        atexit.register(stop, plane.processes)
     began = time.monotonic()
 
     def run(name: str, argv: list[str]) -> Process:
@@ -239,10 +246,7 @@ def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path 
 
     try:
         ports = Ports.free()
-        token = secrets.token_urlsafe(32)
-        (directory / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
-        keygen = ["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out"]
-        subprocess.run([*keygen, str(directory / "sa.key")], check=True, capture_output=True)
+        token = write_credentials(directory)
         etcd = run("etcd", etcd_argv(bin_dir, directory, ports))
         wait_until(
             lambda: _answers(f"http://127.0.0.1:{ports.etcd_client}/health"), "etcd /health", 60, [etcd]
