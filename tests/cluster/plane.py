@@ -34,7 +34,8 @@ SERVICE_CIDR = "127.2.0.0/16"
 FALLBACK_POD_CIDR = "127.1.0.0/24"
 NODE_IP = "127.0.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
-# EndpointSlices and Endpoints reject loopback addresses; these controllers would retry forever.
+# EndpointSlices and Endpoints reject loopback addresses ("may not be in the loopback range"): these
+# controllers would retry forever, a FailedToUpdateEndpointSlices or FailedToCreateEndpoint event each time.
 DISABLED_CONTROLLERS = (
     "endpoints-controller",
     "endpointslice-controller",
