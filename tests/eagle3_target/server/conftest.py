@@ -1,7 +1,7 @@
 """Server test fixtures: a tiny model, an in-process reference runner and real server processes.
 
 Server processes are session-scoped (each costs a Python start and a model load), so the whole server
-suite starts three: the main one, a restricted one (auth + queue of one) and one whose load fails.
+suite starts two: the main one and a restricted one (auth + queue of one).
 """
 
 from __future__ import annotations

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 LOOPBACK = "127.0.0.1"
 
@@ -83,3 +87,22 @@ def start_server(
         server.stop()
         raise
     return server
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: object) -> Iterator[str]:
+    """Run an ASGI app under a real uvicorn server on a loopback port in this process; yields its URL."""
+    config = uvicorn.Config(app, host=LOOPBACK, port=free_port(), log_config=None, lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{LOOPBACK}:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

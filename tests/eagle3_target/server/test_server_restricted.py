@@ -1,5 +1,5 @@
 """A server configured by EAGLE3_TARGET_* env alone: bearer auth and a queue of one; and one whose model
-cannot load, which stays alive but not ready."""
+cannot load (run in this process under uvicorn), which stays alive but not ready."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from eagle3_target.server.app import create_app
+from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
 from tests.eagle3_target.server.conftest import AUTH_TOKEN
 from tests.eagle3_target.server.helpers import assert_error, token_batch
-from tests.eagle3_target.server.server_process import start_server
+from tests.eagle3_target.server.server_process import serve_in_thread
 from tests.eagle3_target.server.test_server_routes import metric_samples
 
 AUTH = {"Authorization": f"Bearer {AUTH_TOKEN}"}
@@ -118,19 +120,16 @@ def test_full_queue_answers_429_with_retry_after(restricted_server):
 def test_failed_load_stays_alive_but_not_ready(tmp_path: Path):
     empty_model = tmp_path / "no-model"
     empty_model.mkdir()
-    proc = start_server(tmp_path, ["--model", str(empty_model), "--engine", "hf"], wait_ready=False)
-    try:
-        proc.wait_until("/readyz", 503)
+    app = create_app(ServerSettings(model=str(empty_model), engine="hf"))
+    with serve_in_thread(app) as url:
         deadline = time.monotonic() + 60
-        while "failed" not in httpx.get(proc.url + "/readyz").json()["error"]["message"]:
+        while "failed" not in httpx.get(url + "/readyz").json()["error"]["message"]:
             assert time.monotonic() < deadline
-            time.sleep(0.2)
-        error = assert_error(httpx.get(proc.url + "/readyz"), 503, "not_ready")
+            time.sleep(0.1)
+        error = assert_error(httpx.get(url + "/readyz"), 503, "not_ready")
         assert "config.json" in error["message"]
-        assert httpx.get(proc.url + "/healthz").status_code == 200
-        assert_error(httpx.get(proc.url + "/v1/info"), 503, "not_ready")
-        assert_error(httpx.post(proc.url + "/v1/supervision", content=b"x"), 503, "not_ready")
-        assert_error(httpx.get(proc.url + "/health"), 503, "not_ready")
-        assert metric_samples(proc.url)[("eagle3_ready", ())] == 0
-    finally:
-        proc.stop()
+        assert httpx.get(url + "/healthz").status_code == 200
+        assert_error(httpx.get(url + "/v1/info"), 503, "not_ready")
+        assert_error(httpx.post(url + "/v1/supervision", content=b"x"), 503, "not_ready")
+        assert_error(httpx.get(url + "/health"), 503, "not_ready")
+        assert metric_samples(url)[("eagle3_ready", ())] == 0
