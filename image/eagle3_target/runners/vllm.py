@@ -37,6 +37,11 @@ DEFAULT_HIDDEN_STATES_DIR = "/dev/shm"
 
 # Config attributes that change logits after the LM head; the rebuild below does not reproduce them.
 LOGIT_TRANSFORM_ATTRS = ("logits_scaling", "final_logit_softcapping", "logit_scale")
+# Startup check of the logits rebuild against vLLM's own greedy token: prompts, their length, and the share
+# that must agree (bf16 kernels differ between the rebuild and vLLM, so near-ties may flip a few).
+REBUILD_CHECK_PROMPTS = 8
+REBUILD_CHECK_TOKENS = 16
+REBUILD_CHECK_MIN_AGREEMENT = 0.75
 
 
 # ---- engine arguments ---------------------------------------------------------------------------------
@@ -372,24 +377,57 @@ class VLLMRunner:
             },
         }
 
-    def start_engine(self, capture_ids: Sequence[int]) -> None:
+    def start_engine(self, capture_ids: list[int]) -> None:
+        """(Re)start vLLM capturing `capture_ids`; the engine is stopped again if its startup check fails."""
         from vllm import LLM, SamplingParams
 
         self.stop_engine()
         self._llm = LLM(**self.engine_config(capture_ids), **self._engine_kwargs)
+        self._capture_ids = capture_ids
+        self._aux_layer_ids = [c - 1 for c in capture_ids[:-1]]
         # One greedy token: the capture covers the prompt; generating more would only cost time.
         self._sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        if self._head is None:
-            # After the engine starts, so CUDA is not initialised before vLLM forks its workers.
-            weights = load_head_weights(
-                self._model_path,
-                vocab_size=self._config.vocab_size,
-                hidden_size=self._config.hidden_size,
-                tie_word_embeddings=bool(getattr(self._config, "tie_word_embeddings", False)),
-                dtype=self._llm.model_config.dtype,
-                device=self._device,
+        try:
+            if self._head is None:
+                # After the engine starts, so CUDA is not initialised before vLLM forks its workers.
+                weights = load_head_weights(
+                    self._model_path,
+                    vocab_size=self._config.vocab_size,
+                    hidden_size=self._config.hidden_size,
+                    tie_word_embeddings=bool(getattr(self._config, "tie_word_embeddings", False)),
+                    dtype=self._llm.model_config.dtype,
+                    device=self._device,
+                )
+                self._head = TargetHead(self._config, weights)
+            self.check_logits_rebuild()
+        except BaseException:
+            self.stop_engine()
+            raise
+
+    def check_logits_rebuild(self) -> None:
+        """The rebuilt logits must pick the token vLLM sampled greedily from its own logits.
+
+        A model whose final norm or head differs from the rebuild (a `(1 + w)` RMSNorm, a logit scale, a
+        capture id `L` that is not the true final state) fails here, at startup, instead of serving wrong
+        supervision.
+        """
+        gen = torch.Generator().manual_seed(0)
+        length = min(REBUILD_CHECK_TOKENS, self.max_prompt_len)
+        prompts = torch.randint(0, self._config.vocab_size, (REBUILD_CHECK_PROMPTS, length), generator=gen)
+        agreeing = 0
+        with contextlib.closing(self.capture(prompts.tolist())) as captures:
+            for states, sampled in captures:
+                last = states[-1:, -1].to(device=self._device, dtype=self.model.norm.dtype)
+                logits = F.linear(
+                    rms_norm(last, self.model.norm, self._config.rms_norm_eps), self.model.lm_head
+                )
+                agreeing += int(logits.argmax(dim=-1).item() == sampled)
+        if agreeing < REBUILD_CHECK_MIN_AGREEMENT * REBUILD_CHECK_PROMPTS:
+            raise RuntimeError(
+                f"the logits rebuilt from vLLM's captured final hidden state pick vLLM's own greedy token "
+                f"for only {agreeing} of {REBUILD_CHECK_PROMPTS} prompts: this model's final norm or LM head "
+                "is not the Llama-style one the vLLM runner reproduces; use --engine hf"
             )
-            self._head = TargetHead(self._config, weights)
 
     def stop_engine(self) -> None:
         if self._llm is not None:
@@ -427,17 +465,15 @@ class VLLMRunner:
         if capture_ids == self._capture_ids and self._llm is not None:
             return
         self.start_engine(capture_ids)
-        self._aux_layer_ids = [c - 1 for c in capture_ids[:-1]]
-        self._capture_ids = capture_ids
 
     def input_embedding_weight(self) -> Tensor:
-        return self.model.embed_tokens
+        return self.model.embed_tokens.detach()
 
     def lm_head_weight(self) -> Tensor:
-        return self.model.lm_head
+        return self.model.lm_head.detach()
 
     def final_norm_weight(self) -> Tensor:
-        return self.model.norm
+        return self.model.norm.detach()
 
     def forward_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
@@ -458,7 +494,7 @@ class VLLMRunner:
         aux = torch.zeros(batch, seq, len(self._aux_layer_ids) * hidden, dtype=dtype, device=self._device)
         prompts = [ids[r, : lengths[r]].tolist() for r in range(batch)]
         with contextlib.closing(self.capture(prompts)) as captures:
-            for r, (prompt, states) in enumerate(zip(prompts, captures, strict=True)):
+            for r, (prompt, (states, _)) in enumerate(zip(prompts, captures, strict=True)):
                 states = states.to(device=self._device, dtype=dtype)
                 n = len(prompt)
                 aux[r, :n] = states[:, : len(self._aux_layer_ids)].flatten(start_dim=1)
@@ -472,9 +508,10 @@ class VLLMRunner:
         final, aux = self.forward_hidden(input_ids, attention_mask)
         return F.linear(final, self.model.lm_head), aux
 
-    def capture(self, prompts: list[list[int]]) -> Generator[Tensor]:
-        """Run the prompts as one `generate` call; yield each row's [n, 3+1, H] states in request order
-        (aux in the requested order, then h_L). Every row's file is gone once the generator is closed."""
+    def capture(self, prompts: list[list[int]]) -> Generator[tuple[Tensor, int]]:
+        """Run the prompts as one `generate` call; yield, in request order, each row's [n, 3+1, H] states
+        (aux in the requested order, then h_L) and the token vLLM sampled after it. Every row's file is
+        gone once the generator is closed."""
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
             load_hidden_states,
@@ -484,9 +521,10 @@ class VLLMRunner:
             [{"prompt_token_ids": p} for p in prompts], self._sampling_params, use_tqdm=False
         )
         paths = [(out.kv_transfer_params or {}).get(HIDDEN_STATES_PATH_KEY) for out in outputs]
+        sampled = [out.outputs[0].token_ids[0] for out in outputs]
         order = file_positions(self._capture_ids)
         try:
-            for row, (prompt, path) in enumerate(zip(prompts, paths, strict=True)):
+            for row, (prompt, path, token) in enumerate(zip(prompts, paths, sampled, strict=True)):
                 if path is None:
                     raise RuntimeError(
                         f"row {row}: vLLM returned no {HIDDEN_STATES_PATH_KEY} (is the hidden-states "
@@ -495,7 +533,7 @@ class VLLMRunner:
                 data = load_hidden_states(path)
                 cleanup_hidden_states(path)
                 states = check_capture(row, data, prompt, len(order), self._config.hidden_size)
-                yield states[:, order]
+                yield states[:, order], token
         finally:
             # A failed row must not leave the other rows' files behind in shared memory.
             for path in paths:

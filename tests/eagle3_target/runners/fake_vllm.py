@@ -209,25 +209,37 @@ class LLM:
         self.write_delay_s = 0.0
         LLM.created.append(self)
 
-    def capture(self, prompt_token_ids: list[int]) -> tuple[Tensor, Tensor]:
-        """The request's captured states [n, n_capture, H] ascending by capture id, and its next token.
+    def capture(self, prompts: list[list[int]]) -> list[tuple[Tensor, int]]:
+        """Each request's captured states [n, n_capture, H] ascending by capture id, and its next token.
 
         Capture id k is `hidden_states + residual` entering decoder layer k (llama.py `LlamaModel.forward`
         calls `_maybe_add_hidden_state` before layer 0 and after each layer); id L is taken before
         `self.norm`. In transformers, `hidden_states[k]` (k < L) is that same residual stream and the
-        final norm's input is the pre-norm state.
+        final norm's input is the pre-norm state. Requests of equal length share one unpadded forward.
         """
-        inner = self.hf_model.model
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        num_layers = self.hf_model.config.num_hidden_layers
+        results: dict[int, tuple[Tensor, int]] = {}
+        for indices in by_length.values():
+            out, pre_norm = self.forward(torch.tensor([prompts[i] for i in indices]))
+            layers = [pre_norm if k == num_layers else out.hidden_states[k] for k in self.capture_layers]
+            stacked = torch.stack(layers, dim=2)  # [rows, n, n_capture, H]
+            for row, i in enumerate(indices):
+                results[i] = (stacked[row].clone(), int(out.logits[row, -1].argmax()))
+        return [results[i] for i in range(len(prompts))]
+
+    def forward(self, input_ids: Tensor) -> tuple[Any, Tensor]:
+        """A transformers forward with all hidden states, plus the final norm's input (the pre-norm state)."""
         pre_norm: list[Tensor] = []
-        hook = inner.norm.register_forward_pre_hook(lambda _module, args: pre_norm.append(args[0]))
+        hook = self.hf_model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0]))
         try:
             with torch.no_grad():
-                out = self.hf_model(torch.tensor([prompt_token_ids]), output_hidden_states=True)
+                out = self.hf_model(input_ids, output_hidden_states=True)
         finally:
             hook.remove()
-        num_layers = self.hf_model.config.num_hidden_layers
-        layers = [pre_norm[0][0] if k == num_layers else out.hidden_states[k][0] for k in self.capture_layers]
-        return torch.stack(layers, dim=1), out.logits[0, -1].argmax()
+        return out, pre_norm[0]
 
     def write(self, filename: str, lock_fd: int, tensors: dict[str, Tensor]) -> None:
         """`ExampleHiddenStatesConnector._write_tensors`: save, then close the fd holding LOCK_EX."""
@@ -248,8 +260,9 @@ class LLM:
     ) -> list[RequestOutput]:
         if not self.llm_engine.engine_core.running:
             raise RuntimeError("the engine core has shut down")
+        token_lists = [list(prompt["prompt_token_ids"]) for prompt in prompts]
         outputs = []
-        for prompt in prompts:
+        for token_ids, (states, next_token) in zip(token_lists, self.capture(token_lists), strict=True):
             # LLM._add_request: external id = the counter; InputProcessor.assign_request_id appends a suffix.
             request_id = str(next(self.request_counter))
             internal_id = f"{request_id}-{secrets.token_hex(4)}"
@@ -258,8 +271,6 @@ class LLM:
             os.makedirs(os.path.dirname(filename), exist_ok=True)
             lock_fd = os.open(filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            token_ids = list(prompt["prompt_token_ids"])
-            states, next_token = self.capture(token_ids)
             # request_finished: token_ids = torch.tensor(request.prompt_token_ids) (int64)
             ids_tensor = torch.tensor(token_ids)
             if LLM.capture_fault is not None:
@@ -270,7 +281,7 @@ class LLM:
                 RequestOutput(
                     request_id=request_id,
                     prompt_token_ids=token_ids,
-                    outputs=[CompletionOutput(index=0, text="", token_ids=[int(next_token)])],
+                    outputs=[CompletionOutput(index=0, text="", token_ids=[next_token])],
                     finished=True,
                     kv_transfer_params={"hidden_states_path": filename},
                 )

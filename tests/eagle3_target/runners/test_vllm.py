@@ -259,6 +259,21 @@ def test_rows_longer_than_max_model_len_minus_one_are_refused(tiny_llama_dir, fa
     runner.close()
 
 
+def test_startup_refuses_a_logits_rebuild_that_disagrees_with_vllm(
+    tiny_llama_dir, fake_vllm, shm, monkeypatch
+):
+    def negate_final_state(states, token_ids):
+        # As if the model's real final state were not what the rebuild assumes: logits flip sign.
+        return torch.cat((states[:, :-1], -states[:, -1:]), dim=1), token_ids
+
+    monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(negate_final_state))
+    with pytest.raises(RuntimeError, match=r"own greedy token for only 0 of 8 prompts"):
+        open_runner(tiny_llama_dir, shm)
+    (llm,) = fake_vllm.LLM.created
+    assert not llm.llm_engine.engine_core.running
+    assert list(shm.iterdir()) == []
+
+
 def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
     runner = open_runner(tiny_llama_dir, shm)
     with pytest.raises(ValueError, match="right-padded"):
