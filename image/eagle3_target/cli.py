@@ -17,7 +17,7 @@ app = typer.Typer(help="Serve frozen target LLMs for EAGLE-3 draft training.", n
 
 @app.callback()
 def _root() -> None:
-    """Keep typer in multi-command mode even while only one command is registered."""
+    """Subcommands only: a callback keeps typer from collapsing a one-command app into that command."""
 
 
 class Arch(StrEnum):
