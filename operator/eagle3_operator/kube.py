@@ -9,6 +9,7 @@ counted in the operator's metrics.
 import base64
 import json
 import os
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +24,7 @@ from eagle3_operator.render import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "eagle3-operator"
 REQUEST_TIMEOUT_SECONDS = 15.0
+DISCOVERY_TTL_SECONDS = 300.0
 
 # The kinds the operator owns, by (apiVersion, kind) → plural.
 CHILD_PLURALS = {
@@ -61,7 +63,7 @@ class KubeApi:
     def __init__(self, api_client: aio_client.ApiClient, timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
         self._api = api_client
         self._timeout = timeout
-        self._discovered: dict[str, bool] = {}
+        self._discovered: dict[str, tuple[float, bool]] = {}  # group/version -> (when asked, served)
 
     @classmethod
     async def connect(cls, timeout: float = REQUEST_TIMEOUT_SECONDS) -> "KubeApi":
@@ -138,20 +140,22 @@ class KubeApi:
         return base64.b64decode(value).decode().strip() if value is not None else None
 
     async def serves(self, group_version: str) -> bool:
-        """Whether the API server serves an API group version (e.g. monitoring.coreos.com/v1); cached."""
-        if group_version not in self._discovered:
-            try:
-                await self._request("GET", f"/apis/{group_version}")
-                self._discovered[group_version] = True
-            except KubeError as error:
-                if error.status != 404:
-                    raise
-                self._discovered[group_version] = False
-        return self._discovered[group_version]
+        """Whether the API server serves an API group version (e.g. monitoring.coreos.com/v1).
 
-    def forget_discovery(self) -> None:
-        """Look again next time: a CRD may have been installed since."""
-        self._discovered.clear()
+        Cached for a few minutes: asked on every pass, and a CRD installed later is still noticed.
+        """
+        cached = self._discovered.get(group_version)
+        if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_SECONDS:
+            return cached[1]
+        try:
+            await self._request("GET", f"/apis/{group_version}")
+            served = True
+        except KubeError as error:
+            if error.status != 404:
+                raise
+            served = False
+        self._discovered[group_version] = (time.monotonic(), served)
+        return served
 
     async def _request(
         self,

@@ -101,9 +101,11 @@ def matches(desired: Any, observed: Any) -> bool:
             and len(desired) == len(observed)
             and all(matches(d, o) for d, o in zip(desired, observed, strict=True))
         )
+    if isinstance(desired, bool) or isinstance(observed, bool):  # True == 1 in Python, not in Kubernetes
+        return type(desired) is type(observed) and desired == observed
     if desired == observed:
         return True
-    if isinstance(desired, str | int) and isinstance(observed, str | int) and not isinstance(desired, bool):
+    if isinstance(desired, str | int) and isinstance(observed, str | int):
         try:
             return parse_quantity(desired) == parse_quantity(observed)
         except ValueError:

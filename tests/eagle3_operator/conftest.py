@@ -56,14 +56,14 @@ def op_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[s
     core.delete_namespace(name)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from eagle3_target.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def servers(tiny_model_dir: Path) -> Iterator[ServerFarm]:
     farm = ServerFarm(tiny_model_dir)
     try:

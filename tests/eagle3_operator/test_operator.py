@@ -84,6 +84,15 @@ class Targets:
                 return None
             raise
 
+    def pdb(self, name: str) -> kubernetes.client.V1PodDisruptionBudget | None:
+        policy = kubernetes.client.PolicyV1Api(self.cluster.api_client)
+        try:
+            return policy.read_namespaced_pod_disruption_budget(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
         selector = f"app.kubernetes.io/instance={name}"
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
@@ -212,6 +221,10 @@ def test_lifecycle_ready_scale_rollout_suspend(
         GROUP, VERSION, targets.namespace, PLURAL, "llama"
     )
     assert (scale["status"]["replicas"], scale["status"]["selector"]) == (2, status["selector"])
+    assert (
+        wait_for(lambda: targets.pdb("llama"), "a PodDisruptionBudget at two replicas").spec.max_unavailable
+        == 1
+    )
 
     # A spec change rolls the pods; Ready again only for the new generation, on new pods.
     old_pods = {p.metadata.name for p in targets.pods("llama")}
@@ -233,6 +246,7 @@ def test_lifecycle_ready_scale_rollout_suspend(
 
     status = wait_for(suspended, "Suspended with no pods")
     assert targets.deployment("llama").spec.replicas == 0
+    wait_for(lambda: targets.pdb("llama") is None, "the PodDisruptionBudget removed while suspended")
     assert status["endpoints"] == [] and condition(status, "Ready")["reason"] == "Suspended"
     generation = targets.patch_spec("llama", {"suspend": False})
     wait_for(lambda: targets.ready_status("llama", generation, replicas=2), "Ready after resuming")

@@ -1,0 +1,42 @@
+"""Probing target servers: answers are parsed strictly, failures are told apart (unreachable vs not ready).
+
+A real HTTP server on loopback answers: the target server's own app, loaded with a tiny model.
+"""
+
+import asyncio
+
+import httpx
+from eagle3_operator.probe import Prober
+
+from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, free_port
+
+
+def test_ready_server_reports_its_model(servers: ServerFarm):
+    url = f"http://{servers.primary[0]}:{servers.primary[1]}"
+    expected = httpx.get(f"{url}/v1/info").json()
+    prober = Prober()
+    result = asyncio.run(_probe(prober, {"pod-a": url}))["pod-a"]
+    assert result.ready and result.reachable and result.error is None
+    assert (result.info.fingerprint, result.info.num_hidden_layers) == (expected["fingerprint"], 8)
+    assert result.info.name == "tiny-llama"
+
+
+def test_nothing_listening_is_unreachable():
+    result = asyncio.run(_probe(Prober(), {"pod-b": f"http://{LOOPBACK}:{free_port()}"}))["pod-b"]
+    assert (result.ready, result.reachable) == (False, False)
+    assert "ConnectError" in result.error
+
+
+def test_wrong_server_is_reachable_but_not_ready(servers: ServerFarm):
+    """Something answers, but not a target server: /v1/info is missing (the app has no such route here)."""
+    url = f"http://{servers.primary[0]}:{servers.primary[1]}/not-a-target"
+    result = asyncio.run(_probe(Prober(), {"pod-c": url}))["pod-c"]
+    assert (result.ready, result.reachable) == (False, True)
+    assert "/readyz answered 404" in result.error
+
+
+async def _probe(prober: Prober, addresses: dict[str, str]):
+    try:
+        return await prober.probe_many(addresses)
+    finally:
+        await prober.close()
