@@ -58,12 +58,20 @@ def mapping_body_limit(vocab_size: int) -> int:
     return 9 * vocab_size + _BODY_SLACK_BYTES
 
 
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+
 def parse_engine_arg(item: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, booleans, lists), else as a string."""
+    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, booleans, lists), else as a string.
+
+    Python's spellings of booleans and None are accepted too, as YAML-to-CLI renderers often produce them.
+    """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"engine arg must look like KEY=VALUE, got {item!r}")
+    if raw in _PYTHON_LITERALS:
+        return key.replace("-", "_"), _PYTHON_LITERALS[raw]
     try:
         value: object = json.loads(raw)
     except json.JSONDecodeError:

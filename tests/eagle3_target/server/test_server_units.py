@@ -44,6 +44,7 @@ def test_token_file_is_stripped_and_must_not_be_empty(tmp_path: Path):
         ("kv_cache_dtype=fp8", ("kv_cache_dtype", "fp8")),
         ("cudagraph_capture_sizes=[1,2,4]", ("cudagraph_capture_sizes", [1, 2, 4])),
         ("x=a=b", ("x", "a=b")),
+        ("enable_prefix_caching=False", ("enable_prefix_caching", False)),
     ],
 )
 def test_parse_engine_arg(item, parsed):
