@@ -334,6 +334,7 @@ class VLLMRunner:
                 )
         require_eagle3_support(getattr(config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
+        Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="eagle3-target-", dir=hidden_states_dir))
         resolved_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         try:

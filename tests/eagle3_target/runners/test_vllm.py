@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from eagle3_target.runners import load_runner, model_info
+from eagle3_target.runners import TargetRunner, load_runner, model_info
 from eagle3_target.runners.checkpoint import load_head_weights, tensor_files
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import (
@@ -93,7 +93,8 @@ def test_matches_hf_runner_on_ragged_batch(model_dir, request, fake_vllm, shm):
 
 def test_weights_and_model_info_match_hf(tiny_qwen3_dir, fake_vllm, shm):
     hf = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
-    runner = open_runner(tiny_qwen3_dir, shm)
+    runner = open_runner(tiny_qwen3_dir, shm / "created" / "on-demand")
+    assert isinstance(runner, TargetRunner)
     assert runner.aux_layer_ids == hf.aux_layer_ids == [1, 3, 4]
     assert torch.equal(runner.input_embedding_weight(), hf.input_embedding_weight())
     assert torch.equal(runner.lm_head_weight(), hf.lm_head_weight())  # tied: the input embeddings
