@@ -64,9 +64,8 @@ class TargetClient:
         self.give_up_after_s = give_up_after_s
         self.allow_fingerprint_change = allow_fingerprint_change
         self.device = torch.device(device)
-        self.stats: Counter[str] = (
-            Counter()
-        )  # What happened on the wire: requests, retries by cause, refreshes.
+        # What happened on the wire: requests, bytes, retries by cause, refreshes (read it, don't write it).
+        self.stats: Counter[str] = Counter()
         self._refresh = refresh
         self._refresh_interval_s = refresh_interval_s
         self._last_refresh = time.monotonic()
@@ -227,7 +226,7 @@ class TargetClient:
     def _request(self, method: str, path: str, *, vocab: str | None = None, **kwargs: Any) -> httpx.Response:
         """Send until an endpoint answers 2xx: fail over on connection errors, 429 and 503, with back-off."""
         started = time.monotonic()
-        last_problem = "no attempt made"
+        last_problem, attempts = "no attempt made", 0
         for attempt in range(self.max_attempts):
             self._maybe_refresh(force=attempt > 0 and self.pool.all_cooling())
             url, wait = self.pool.pick()
@@ -236,26 +235,28 @@ class TargetClient:
                 break
             if wait > 0:
                 time.sleep(wait)
-            self.stats["requests"] += 1
+            self._count("requests")
+            attempts += 1
             try:
                 response = self._send(method, url, path, vocab, kwargs)
             except httpx.TransportError as exc:
-                self.stats["connection_errors"] += 1
+                self._count("connection_errors")
                 last_problem = f"{url}: {type(exc).__name__}: {exc}"
                 self.pool.failed(url)
                 continue
             if response.status_code in RETRYABLE_STATUS:
-                self.stats[f"status_{response.status_code}"] += 1
+                self._count(f"status_{response.status_code}")
                 last_problem = f"{url}: HTTP {response.status_code} {_error_text(response)}"
                 self.pool.failed(url, _retry_after_s(response))
                 continue
             if response.status_code >= 400:
                 raise RequestRejected(response.status_code, _error_type(response), _error_text(response))
             self.pool.succeeded(url)
+            self._count("bytes_received", len(response.content))
             return response
         raise TargetUnavailable(
             f"{method} {path} failed on every endpoint of {list(self.pool.urls)} after "
-            f"{self.stats['requests']} requests; last: {last_problem}"
+            f"{attempts} attempts in {time.monotonic() - started:.1f}s; last: {last_problem}"
         )
 
     def _send(
@@ -266,7 +267,7 @@ class TargetClient:
         mapping = self._vocabs.get(vocab) if vocab else None
         if response.status_code == 404 and mapping is not None and _error_type(response) == "not_found":
             # A restarted or newly added replica: register the mapping and send the same batch again.
-            self.stats["vocab_registrations"] += 1
+            self._count("vocab_registrations")
             body = encode({"selected_token_ids": mapping.selected_token_ids.cpu().contiguous()})
             registered = self._http.put(f"{url}/v1/vocab-mappings/{vocab}", content=body)
             if registered.status_code >= 400:
@@ -292,10 +293,14 @@ class TargetClient:
             if not self.allow_fingerprint_change:
                 raise FingerprintChanged(self._fingerprint, fingerprint, source)
             # Accepted change: everything cached about the old target is now wrong.
-            self.stats["fingerprint_changes"] += 1
+            self._count("fingerprint_changes")
             self._fingerprint = fingerprint
             self._info = None
             self._weights.clear()
+
+    def _count(self, event: str, amount: int = 1) -> None:
+        with self._lock:
+            self.stats[event] += amount
 
     def _maybe_refresh(self, force: bool) -> None:
         """Re-read the endpoints from the resource every refresh interval, or at once when all are failing."""
@@ -309,9 +314,9 @@ class TargetClient:
         try:
             target = self._refresh()
         except ResolveError:
-            self.stats["refresh_failures"] += 1
+            self._count("refresh_failures")
             return  # Not Ready right now: keep trying the endpoints we know.
-        self.stats["refreshes"] += 1
+        self._count("refreshes")
         self._check_fingerprint(target.fingerprint, f"{target.namespace}/{target.name} status")
         if target.urls:
             self.pool.replace(target.urls)

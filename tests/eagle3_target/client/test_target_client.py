@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClient, TargetUnavailable
+from eagle3_target.client.target_client import _retry_after_s
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
 
 from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
@@ -208,3 +209,19 @@ def endpoint(url: str) -> dict:
 def llama_server_fingerprint(server) -> str:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     return httpx.get(server.url + "/v1/info", headers=headers, timeout=10).json()["fingerprint"]
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("3", 3.0),
+        ("0.5", 0.5),
+        ("-2", 0.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),
+        ("soon", None),
+        (None, None),
+    ],
+)
+def test_retry_after_header_is_read_as_seconds(header, seconds):
+    headers = {} if header is None else {"Retry-After": header}
+    assert _retry_after_s(httpx.Response(429, headers=headers)) == seconds
