@@ -51,6 +51,7 @@ MAX_CONCURRENT_RECONCILES = 32
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # Children whose kind has no index (its CRD may not even exist): applied when the rendering changes only.
 UNWATCHED_KINDS = frozenset({"PodMonitor"})
+REJECTED = (400, 422)  # the API server will not take the child as rendered: no retry can help
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,17 @@ class Reconciler:
         except InvalidSpec as error:
             observation = Observation(generation=snapshot.generation, spec=None, spec_error=str(error))
         else:
-            applied = await self._sync_children(key, snapshot, spec, memory)
-            observation = await self._observe(key, snapshot, spec, applied)
+            try:
+                applied = await self._sync_children(key, snapshot, spec, memory)
+            except KubeError as error:
+                if error.status not in REJECTED:
+                    raise
+                # The spec renders to a child the API server refuses (e.g. an admission policy): retrying
+                # cannot help until the spec changes, so report it the way an invalid spec is reported.
+                message = f"the API server rejected a child: {error}"
+                observation = Observation(generation=snapshot.generation, spec=None, spec_error=message)
+            else:
+                observation = await self._observe(key, snapshot, spec, applied)
         previous = memory.written_status if memory.written_status is not None else dict(snapshot.status)
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)

@@ -212,6 +212,10 @@ def test_lifecycle_ready_scale_rollout_suspend(
     assert after == before
     assert (operator.metric("eagle3_operator_status_writes_total"), _applies(operator)) == (writes, applies)
     assert operator.metric("eagle3_operator_probes_total", outcome="ready") > 0
+    assert operator.metric("eagle3_operator_targets", phase="Ready") >= 1
+    assert operator.metric("eagle3_operator_ready_endpoints") >= 1
+    assert operator.metric("eagle3_operator_reconciles_total", result="ok") > 0
+    assert operator.metric("eagle3_operator_reconcile_duration_seconds_count") > 0
 
     # Scale through the scale subresource (what HPA and `kubectl scale` use).
     cluster.kubectl("scale", "-n", targets.namespace, "e3t/llama", "--replicas=2")
@@ -348,22 +352,26 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
     )
     assert not targets.get("phoenix")["metadata"].get("finalizers")
 
+    # Mid-rollout: the operator has applied the new template, the pods are being replaced, and it dies.
+    generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1200})
+    wait_for(
+        lambda: targets.deployment("phoenix").spec.progress_deadline_seconds == 1500, "the rollout started"
+    )
     operator.kill()
     try:
-        generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1200})
-        # With the operator down, deleting a target it handled still completes at once: no finalizer.
+        # While it is down: a second spec change nobody reconciles, and a delete that must not wait for it.
+        generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1300})
         targets.delete("doomed")
-        assert targets.get("doomed") is None
-        time.sleep(1)
-        assert targets.get("phoenix")["status"]["observedGeneration"] < generation  # nobody reconciled it
+        assert targets.get("doomed") is None  # no finalizer: gone at once
+        assert targets.get("phoenix")["status"]["observedGeneration"] < generation
     finally:
         operator.start()
 
     status = wait_for(
         lambda: targets.ready_status("phoenix", generation, replicas=2), "convergence after restart"
     )
-    assert targets.deployment("phoenix").spec.progress_deadline_seconds == 1500
-    assert len(status["endpoints"]) == 2
+    assert targets.deployment("phoenix").spec.progress_deadline_seconds == 1600
+    assert len(status["endpoints"]) == 2 and all(e["ready"] for e in status["endpoints"])
 
     # Deleting the target lets the garbage collector take the children.
     targets.delete("phoenix")
@@ -372,3 +380,16 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
         "the children garbage-collected",
         timeout=120,
     )
+
+
+def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: Targets):
+    """A spec the CRD accepts but whose Deployment the API server refuses (an invalid label key)."""
+    targets.create(target_manifest("odd", free_port(), nodeSelector={"not a label key!": "x"}))
+
+    def rejected() -> dict | None:
+        status = (targets.get("odd") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "InvalidSpec" else None
+
+    status = wait_for(rejected, "the rejection reported in status")
+    assert "rejected" in status["lastFailure"]["message"] and status["phase"] == "Failed"
+    assert targets.deployment("odd") is None
