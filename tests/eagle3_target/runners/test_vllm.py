@@ -26,6 +26,8 @@ from eagle3_target.runners.vllm import (
     file_positions,
     vllm_engine_kwargs,
 )
+from eagle3_target.server.settings import ServerSettings
+from eagle3_target.server.target import load_target
 from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import save_file
 
@@ -164,6 +166,28 @@ def test_load_runner_passes_engine_kwargs_through(tiny_llama_dir, fake_vllm, shm
     assert isinstance(runner, VLLMRunner)
     assert fake_vllm.LLM.created[-1].init_kwargs["dtype"] == "float32"
     runner.close()
+
+
+def test_server_loads_the_vllm_engine_and_passes_its_canary(tiny_qwen3_dir, fake_vllm, shm):
+    settings = ServerSettings(
+        model=str(tiny_qwen3_dir),
+        engine="vllm",
+        dtype="float32",
+        aux_layer_ids=(0, 2, 5),
+        max_model_len=128,
+        engine_args={"hidden_states_dir": str(shm), "enforce_eager": True},
+    )
+    target = load_target(settings)
+    assert isinstance(target.runner, VLLMRunner)
+    assert target.info["aux_layer_ids"] == [0, 2, 5] and target.info["engine"] == "vllm"
+    assert (target.num_hidden_layers, target.hidden_size, target.vocab_size) == (8, HIDDEN, 256)
+    received = fake_vllm.LLM.created[-1].init_kwargs
+    assert (received["tensor_parallel_size"], received["max_model_len"], received["enforce_eager"]) == (
+        1,
+        128,
+        True,
+    )
+    target.runner.close()
 
 
 def test_set_aux_layers_restarts_engine_only_on_change(tiny_llama_dir, fake_vllm, shm):
