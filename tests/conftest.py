@@ -20,6 +20,7 @@ from tests.cluster.processes import log_tail
 NOT_RUN_OUTCOMES = ("skipped", "xfailed", "xpassed")
 LOG_TAIL_LINES = 10
 _log_dirs: list[Path] = []  # where the logs of the plane this session used are, for the failure summary
+_cluster_tests: set[str] = set()  # node ids of the tests that use the cluster
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -27,6 +28,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+            _cluster_tests.add(item.nodeid)
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +68,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """After a failed cluster test, show where the control plane's logs are and how they end (CI keeps only
     the console)."""
     failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
-    if _log_dirs and any("cluster" in report.keywords for report in failed):
+    if _log_dirs and any(report.nodeid in _cluster_tests for report in failed):
         terminalreporter.write_sep("=", "control plane logs")
         for directory in _log_dirs:
             for log in sorted(directory.glob("*.log")):

@@ -199,12 +199,12 @@ class ControlPlane:
 
     @classmethod
     def load(cls, directory: Path) -> ControlPlane | None:
-        """The plane a state file describes, or None when there is none."""
+        """The plane a state file describes, or None when there is none (or only a torn one)."""
         try:
             state = json.loads((directory / "state.json").read_text())
-        except FileNotFoundError:
+            return cls(directory, [Process.from_json(p) for p in state["processes"]], state["timings"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        return cls(directory, [Process.from_json(p) for p in state["processes"]], state["timings"])
 
 
 def write_credentials(directory: Path) -> str:
