@@ -457,7 +457,9 @@ class VLLMRunner:
 
     @property
     def max_prompt_len(self) -> int:
-        """Longest row the engine captures correctly: vLLM's resolved max_model_len minus the draft slot."""
+        """Longest row vLLM accepts (`InputProcessor._validate_model_input`: the prompt plus the one
+        generated token must fit in max_model_len), which also keeps every row inside the capture
+        (`_input_fits_in_drafter` skips the capture of a batch whose longest row + 1 exceeds it)."""
         return int(self._llm.model_config.max_model_len) - 1
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
@@ -484,9 +486,8 @@ class VLLMRunner:
         lengths = mask.sum(dim=1).tolist()
         if max(lengths) > self.max_prompt_len:
             raise ValueError(
-                f"a row has {max(lengths)} tokens; the vLLM engine captures at most {self.max_prompt_len} "
-                "(max_model_len - 1: vLLM skips the capture of a whole batch whose longest row plus the one "
-                "speculative slot exceeds max_model_len)"
+                f"a row has {max(lengths)} tokens; the vLLM engine takes at most {self.max_prompt_len} "
+                "(max_model_len - 1: the generated token needs one slot)"
             )
         batch, seq = ids.shape
         hidden = self._config.hidden_size

@@ -261,6 +261,13 @@ class LLM:
         if not self.llm_engine.engine_core.running:
             raise RuntimeError("the engine core has shut down")
         token_lists = [list(prompt["prompt_token_ids"]) for prompt in prompts]
+        for token_ids in token_lists:
+            # InputProcessor._validate_model_input (vllm/v1/engine/input_processor.py)
+            if len(token_ids) >= self.model_config.max_model_len:
+                raise ValueError(
+                    f"The decoder prompt (length {len(token_ids)}) plus the number of requested output "
+                    "tokens (at least 1) is longer than the maximum model length"
+                )
         outputs = []
         for token_ids, (states, next_token) in zip(token_lists, self.capture(token_lists), strict=True):
             # LLM._add_request: external id = the counter; InputProcessor.assign_request_id appends a suffix.

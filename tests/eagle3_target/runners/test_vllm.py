@@ -279,7 +279,7 @@ def test_rows_longer_than_max_model_len_minus_one_are_refused(tiny_llama_dir, fa
     assert runner.max_prompt_len == 15
     _, aux_states = runner.forward_eagle3(torch.ones(1, 15, dtype=torch.long))
     assert aux_states.shape == (1, 15, 3 * HIDDEN)
-    with pytest.raises(ValueError, match=r"a row has 16 tokens; the vLLM engine captures at most 15"):
+    with pytest.raises(ValueError, match=r"a row has 16 tokens; the vLLM engine takes at most 15"):
         runner.forward_eagle3(torch.ones(2, 16, dtype=torch.long))
     runner.close()
 
