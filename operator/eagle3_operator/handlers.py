@@ -21,18 +21,12 @@ from eagle3_operator.kube import KubeApi
 from eagle3_operator.probe import Prober
 from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
 from eagle3_operator.render import GROUP, KIND, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
-from eagle3_operator.settings import OperatorConfig, configure
+from eagle3_operator.settings import CHILD_RESOURCES, POD_RESOURCE, OperatorConfig, configure
 from eagle3_operator.status import deployment_view, pod_view
 
 MANAGED = {LABEL_MANAGED_BY: MANAGER}
 # The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
 registry = kopf.OperatorRegistry()
-# The child kinds the operator creates, as kopf resource selectors.
-CHILD_RESOURCES = {
-    "deployments": ("apps", "v1", "deployments"),
-    "services": ("v1", "services"),
-    "poddisruptionbudgets": ("policy", "v1", "poddisruptionbudgets"),
-}
 
 
 @dataclass
@@ -108,13 +102,13 @@ async def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.
         reconciler.request((namespace, name))
 
 
-@kopf.index("v1", "pods", labels=MANAGED, registry=registry)
+@kopf.index(*POD_RESOURCE, labels=MANAGED, registry=registry)
 async def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
     instance = labels.get(LABEL_INSTANCE)
     return {(namespace, instance): pod_view(body)} if instance else {}
 
 
-@kopf.on.event("v1", "pods", labels=MANAGED, registry=registry)
+@kopf.on.event(*POD_RESOURCE, labels=MANAGED, registry=registry)
 async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     instance = labels.get(LABEL_INSTANCE)
     if instance:

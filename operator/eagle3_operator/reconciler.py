@@ -122,6 +122,7 @@ def _digest(manifest: Mapping[str, Any]) -> str:
 class _Memory:
     """What the reconciler remembers about one target between passes (lost on restart, rebuilt by a pass)."""
 
+    uid: str = ""
     written_status: dict[str, Any] | None = None
     written_version: str | None = None
     applied: dict[tuple[str, str], tuple[str, str]] = field(
@@ -183,13 +184,8 @@ class Reconciler:
         while True:
             await asyncio.sleep(interval)
             for key in list(self._memory):
-                if self._pods.get(key) or self._is_external(key):
+                if self._pods_of(key) or self._is_external(key):
                     self.request(key)
-
-    async def drain(self) -> None:
-        """Wait for the passes in flight (tests and shutdown)."""
-        while self._workers:
-            await asyncio.gather(*list(self._workers.values()), return_exceptions=True)
 
     async def _work(self, key: TargetKey) -> None:
         try:
@@ -221,7 +217,9 @@ class Reconciler:
         if snapshot is None or snapshot.deleting:
             self._forget(key)  # Deleted: owner references let the garbage collector remove the children.
             return "gone"
-        memory = self._memory.setdefault(key, _Memory())
+        memory = self._memory.get(key)
+        if memory is None or memory.uid != snapshot.uid:  # new, or deleted and created again under the name
+            memory = self._memory[key] = _Memory(uid=snapshot.uid)
         namespace, name = key
         self._instances[namespace, selector_labels(name)[LABEL_INSTANCE]] = name
         try:
@@ -315,7 +313,7 @@ class Reconciler:
             return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
         deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
-        pods = list(self._pods.get((namespace, selector_labels(name)[LABEL_INSTANCE])) or ())
+        pods = self._pods_of(key)
         serving = {
             p.name: f"http://{p.ip}:{spec.port}" for p in pods if p.ready and p.ip and not p.terminating
         }
@@ -354,6 +352,11 @@ class Reconciler:
                 logger.info(
                     "could not post event %s on %s/%s: %s", event.reason, target.namespace, target.name, error
                 )
+
+    def _pods_of(self, key: TargetKey) -> list[PodView]:
+        """Pods are indexed by their instance label, which is the target's name fitted to a label value."""
+        namespace, name = key
+        return list(self._pods.get((namespace, selector_labels(name)[LABEL_INSTANCE])) or ())
 
     def _owned_children(self, key: TargetKey) -> list[ChildState]:
         return [child for index in self._children for child in index.get(key) or ()]

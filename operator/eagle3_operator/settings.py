@@ -12,8 +12,13 @@ PERSISTENCE_PREFIX = "eagle3.dev"
 # Only the operator's own children are watched: the API server filters, so memory does not grow with
 # every pod in the cluster.
 CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
-WATCHED_CHILDREN = (("v1", "pods"), ("apps", "v1", "deployments"), ("v1", "services"))
-WATCHED_CHILDREN += (("policy", "v1", "poddisruptionbudgets"),)
+# The child kinds the operator creates and watches (by plural, as kopf resource selectors); plus their pods.
+CHILD_RESOURCES = {
+    "deployments": ("apps", "v1", "deployments"),
+    "services": ("v1", "services"),
+    "poddisruptionbudgets": ("policy", "v1", "poddisruptionbudgets"),
+}
+POD_RESOURCE = ("v1", "pods")
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.watching.server_timeout = config.watch_timeout_seconds
     settings.watching.client_timeout = config.watch_timeout_seconds + 30
     settings.watching.connect_timeout = 10.0
-    for selector in WATCHED_CHILDREN:
+    for selector in (POD_RESOURCE, *CHILD_RESOURCES.values()):
         settings.watching.label_selectors[selector] = CHILD_SELECTOR
     settings.persistence.finalizer = f"{PERSISTENCE_PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
