@@ -325,14 +325,15 @@ class VLLMRunner:
         through it as a file. `engine_kwargs` are vLLM engine arguments (see `vllm_engine_kwargs`)."""
         model_path = str(model_path)
         typed_kwargs = vllm_engine_kwargs(engine_kwargs)
-        config = text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+        full_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        config = text_config(full_config)
         for attr in LOGIT_TRANSFORM_ATTRS:
             if getattr(config, attr, None) not in (None, 1, 1.0):
                 raise ValueError(
                     f"{model_path}: config.{attr} transforms the logits, which the vLLM runner's logits "
                     "rebuild does not reproduce; use --engine hf"
                 )
-        require_eagle3_support(getattr(config, "architectures", None) or [])
+        require_eagle3_support(getattr(full_config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
         Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="eagle3-target-", dir=hidden_states_dir))
