@@ -1,15 +1,20 @@
 """`python -m tests.cluster up|down|status`: a control plane that outlives the command, for the demo,
-for poking at with kubectl, and for test runs to reuse instead of starting their own."""
+for poking at with kubectl, and for test runs to reuse instead of starting their own. `timing` measures
+how long a private plane takes to run its first pod."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import kubernetes
 import typer
 
 from tests.cluster import nodes, plane
 from tests.cluster.processes import ClusterStartError
+from tests.cluster.waiting import eventually
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
@@ -63,6 +68,32 @@ def status() -> None:
         gpus = (node.status.allocatable or {}).get(nodes.GPU_RESOURCE, "0")
         state = "schedulable" if nodes.schedulable(node) else "not schedulable"
         typer.echo(f"node {node.metadata.name:<8} {state:<16} gpus={gpus} podCIDR={node.spec.pod_cidr}")
+
+
+@app.command()
+def timing() -> None:
+    """Start a private plane, run one GPU pod, stop; print seconds from start to each phase as JSON."""
+    with tempfile.TemporaryDirectory(prefix="e3t-timing-") as scratch:
+        began = time.monotonic()
+        private = plane.start(Path(scratch) / "cluster", detached=False)
+        try:
+            api = private.cluster().api_client
+            kubernetes.client.AppsV1Api(api).create_namespaced_deployment(
+                "default", nodes.gpu_deployment("first", 1, 1)
+            )
+            core = kubernetes.client.CoreV1Api(api)
+
+            def first_pod_ready() -> bool:
+                pods = core.list_namespaced_pod("default", label_selector="app=first").items
+                return any(nodes.pod_ready(pod) for pod in pods)
+
+            eventually(first_pod_ready, "the first pod Ready", interval=0.05)
+            first_ready_pod = time.monotonic() - began
+        finally:
+            stopping = time.monotonic()
+            private.stop()
+    figures = {**private.timings, "first_ready_pod": first_ready_pod, "teardown": time.monotonic() - stopping}
+    typer.echo(json.dumps({name: round(seconds, 2) for name, seconds in figures.items()}))
 
 
 if __name__ == "__main__":

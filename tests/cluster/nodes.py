@@ -72,3 +72,34 @@ def all_schedulable(api_client: kubernetes.client.ApiClient, names: list[str]) -
     nodes = kubernetes.client.CoreV1Api(api_client).list_node().items
     by_name = {n.metadata.name: n for n in nodes}
     return all(name in by_name and schedulable(by_name[name]) for name in names)
+
+
+def gpu_deployment(name: str, replicas: int, gpus: int) -> dict[str, object]:
+    """A Deployment whose pods (label app=NAME) each ask `gpus` GPUs; kwok runs them, the image is never
+    pulled."""
+    labels = {"app": name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "example.invalid/none:0",
+                            "resources": {"limits": {GPU_RESOURCE: str(gpus)}},
+                        }
+                    ]
+                },
+            },
+        },
+    }
+
+
+def pod_ready(pod: kubernetes.client.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])

@@ -23,44 +23,15 @@ from tests.cluster.waiting import direct_opener, eventually
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
 
-def gpu_deployment(name: str, replicas: int, gpus: int) -> dict[str, object]:
-    labels = {"app": name}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "example.invalid/none:0",
-                            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
-                        }
-                    ]
-                },
-            },
-        },
-    }
-
-
 def pods_of(cluster: Cluster, namespace: str, app: str) -> list[kubernetes.client.V1Pod]:
     core = kubernetes.client.CoreV1Api(cluster.api_client)
     return core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
 
 
-def is_ready(pod: kubernetes.client.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-
-
 def ready_pods(cluster: Cluster, namespace: str, app: str, count: int) -> list[kubernetes.client.V1Pod]:
     def all_ready() -> list[kubernetes.client.V1Pod]:
         pods = pods_of(cluster, namespace, app)
-        return pods if len(pods) == count and all(is_ready(p) for p in pods) else []
+        return pods if len(pods) == count and all(nodes.pod_ready(p) for p in pods) else []
 
     return eventually(all_ready, f"{count} Ready pods of {app}")
 
@@ -69,7 +40,7 @@ def ready_pods(cluster: Cluster, namespace: str, app: str, count: int) -> list[k
 def gpu_pods(cluster: Cluster, namespace: str) -> list[kubernetes.client.V1Pod]:
     """Two Ready pods of a Deployment that asks one GPU per pod."""
     apps = kubernetes.client.AppsV1Api(cluster.api_client)
-    apps.create_namespaced_deployment(namespace, gpu_deployment("gpu", replicas=2, gpus=1))
+    apps.create_namespaced_deployment(namespace, nodes.gpu_deployment("gpu", replicas=2, gpus=1))
     return ready_pods(cluster, namespace, "gpu", 2)
 
 
@@ -128,7 +99,7 @@ def test_a_server_bound_at_a_pod_ip_answers_there(gpu_pods):
 
 def test_more_gpus_than_any_node_has_stays_pending_unschedulable(cluster: Cluster, namespace: str):
     apps = kubernetes.client.AppsV1Api(cluster.api_client)
-    apps.create_namespaced_deployment(namespace, gpu_deployment("huge", replicas=1, gpus=9))
+    apps.create_namespaced_deployment(namespace, nodes.gpu_deployment("huge", replicas=1, gpus=9))
 
     def unschedulable() -> kubernetes.client.V1PodCondition | None:
         pods = pods_of(cluster, namespace, "huge")
@@ -156,7 +127,7 @@ def test_deleting_a_namespace_with_running_pods_completes(cluster: Cluster):
     name = f"doomed-{secrets.token_hex(3)}"
     core.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name)))
     kubernetes.client.AppsV1Api(cluster.api_client).create_namespaced_deployment(
-        name, gpu_deployment("x", 1, 1)
+        name, nodes.gpu_deployment("x", 1, 1)
     )
     ready_pods(cluster, name, "x", 1)
     core.delete_namespace(name)
