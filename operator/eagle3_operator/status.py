@@ -361,7 +361,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     fingerprints = {info.fingerprint for info in infos}
     if len(fingerprints) > 1 and rolled_out:
         mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {sorted(fingerprints)}")
-        return _State("Degraded", _failed(mismatch), fields, None)
+        return _State("Degraded", _failed(mismatch), fields, mismatch)
     if desired == 0:
         return _State("Pending", _quiet("False", "ScaledToZero", "spec.replicas is 0"), fields, None)
     if rolled_out and len(ready_pods) == desired:

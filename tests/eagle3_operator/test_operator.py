@@ -350,7 +350,9 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
     wait_for(
         lambda: ((targets.get("doomed") or {}).get("status") or {}).get("phase"), "the other target handled"
     )
-    assert not targets.get("phoenix")["metadata"].get("finalizers")
+    metadata = targets.get("phoenix")["metadata"]
+    assert not metadata.get("finalizers")
+    assert not [key for key in metadata.get("annotations") or {} if "kopf" in key or "eagle3.dev" in key]
 
     # Mid-rollout: the operator has applied the new template, the pods are being replaced, and it dies.
     generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1200})

@@ -230,6 +230,7 @@ def test_fingerprint_mismatch_after_rollout_is_degraded():
     status = compute_status(observe(probes=probes), {}, T0)
     assert condition(status, "Degraded")["reason"] == "FingerprintMismatch"
     assert condition(status, "Ready")["status"] == "False"
+    assert status["lastFailure"]["reason"] == "FingerprintMismatch"
 
 
 def test_external_endpoint_ready_not_ready_and_unreachable():
