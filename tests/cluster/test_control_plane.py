@@ -45,21 +45,14 @@ def gpu_pods(cluster: Cluster, namespace: str) -> list[kubernetes.client.V1Pod]:
 
 
 def test_gpu_nodes_offer_eight_gpus_and_loopback_pod_ranges(cluster: Cluster):
-    gpu_nodes = [
-        n
-        for n in kubernetes.client.CoreV1Api(cluster.api_client).list_node().items
-        if n.metadata.labels.get("nvidia.com/gpu.product") == nodes.GPU_PRODUCT
-    ]
-    assert len(gpu_nodes) >= 2
-    for node in gpu_nodes:
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    for node in (core.read_node(nodes.gpu_node_name(index)) for index in range(2)):
         assert nodes.schedulable(node)
+        assert node.metadata.labels["nvidia.com/gpu.product"] == nodes.GPU_PRODUCT
         assert node.status.allocatable[nodes.GPU_RESOURCE] == "8"
         assert ipaddress.ip_network(node.spec.pod_cidr).subnet_of(LOOPBACK)
-        assert all(
-            ipaddress.ip_address(a.address) in LOOPBACK
-            for a in node.status.addresses
-            if a.type == "InternalIP"
-        )
+        addresses = [a.address for a in node.status.addresses if a.type == "InternalIP"]
+        assert addresses and all(ipaddress.ip_address(a) in LOOPBACK for a in addresses)
 
 
 def test_gpu_pods_are_scheduled_on_gpu_nodes_and_run_with_loopback_ips(cluster: Cluster, gpu_pods):
