@@ -153,7 +153,7 @@ class Reconciler:
         self._pending: set[TargetKey] = set()
         self._workers: dict[TargetKey, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_RECONCILES)
-        self._secrets: dict[tuple[str, str, str], tuple[float, str | None]] = {}
+        self._secrets: dict[tuple[str, str, str], tuple[float, str]] = {}  # (ns, name, key) -> (when, token)
         self._instances: dict[TargetKey, str] = {}  # (namespace, pod instance label) -> target name
         self._phases: dict[TargetKey, str] = {}
         self._ready: dict[TargetKey, int] = {}
@@ -339,7 +339,8 @@ class Reconciler:
         if cached is not None and time.monotonic() - cached[0] < SECRET_TTL_SECONDS:
             return cached[1]
         token = await self._api.read_secret_key(namespace, ref.name, ref.key)
-        self._secrets[cache_key] = (time.monotonic(), token)
+        if token is not None:  # A missing Secret is looked up again next pass: it may be created any moment.
+            self._secrets[cache_key] = (time.monotonic(), token)
         return token
 
     async def _announce(

@@ -70,3 +70,18 @@ def servers(tiny_model_dir: Path) -> Iterator[ServerFarm]:
         yield farm
     finally:
         farm.close()
+
+
+AUTH_TOKEN = "operator-test-token"
+
+
+@pytest.fixture(scope="session")
+def auth_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFarm]:
+    """A target server that wants a bearer token (spec.auth) on everything but the health routes."""
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(f"{AUTH_TOKEN}\n")
+    farm = ServerFarm(tiny_model_dir, auth_token_file=token_file)
+    try:
+        yield farm
+    finally:
+        farm.close()

@@ -135,11 +135,17 @@ class OperatorProcess:
 class ServerFarm:
     """One real target-server app (model loaded once) listening on any number of IP:port sockets."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, auth_token_file: Path | None = None) -> None:
         from eagle3_target.server.app import create_app
         from eagle3_target.server.settings import ServerSettings
 
-        settings = ServerSettings(model=str(model_dir), engine="hf", dtype="float32", model_name="tiny-llama")
+        settings = ServerSettings(
+            model=str(model_dir),
+            engine="hf",
+            dtype="float32",
+            model_name="tiny-llama",
+            auth_token_file=auth_token_file,
+        )
         self.app = create_app(settings)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="server-farm", daemon=True)

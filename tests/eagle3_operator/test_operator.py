@@ -14,7 +14,7 @@ import kubernetes
 import pytest
 
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.conftest import GROUP, PLURAL, VERSION
+from tests.eagle3_operator.conftest import AUTH_TOKEN, GROUP, PLURAL, VERSION
 from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")
@@ -395,3 +395,29 @@ def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: T
     status = wait_for(rejected, "the rejection reported in status")
     assert "rejected" in status["lastFailure"]["message"] and status["phase"] == "Failed"
     assert targets.deployment("odd") is None
+
+
+def test_token_protected_target_is_probed_with_its_secret(targets: Targets, auth_servers: ServerFarm):
+    """spec.auth: the operator reads the Secret and sends the token, as a training job would."""
+    url = f"http://{auth_servers.primary[0]}:{auth_servers.primary[1]}"
+    secret = {"metadata": {"name": "target-token"}, "stringData": {"token": AUTH_TOKEN}}
+    manifest = target_manifest("guarded", 8000)
+    manifest["spec"] = {
+        "model": {"name": "tiny-llama"},
+        "engine": "hf",
+        "endpoint": {"url": url},
+        "auth": {"tokenSecretRef": {"name": "target-token"}},
+    }
+    targets.create(manifest)
+
+    def not_ready() -> dict | None:
+        status = (targets.get("guarded") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "EndpointNotReady" else None
+
+    status = wait_for(not_ready, "not ready while the Secret is missing")
+    assert "401" in condition(status, "Ready")["message"]
+    targets.core.create_namespaced_secret(targets.namespace, secret)
+    status = wait_for(
+        lambda: targets.ready_status("guarded"), "Ready once the token is readable", timeout=120
+    )
+    assert status["model"]["name"] == "tiny-llama"

@@ -8,6 +8,7 @@ import asyncio
 import httpx
 from eagle3_operator.probe import Prober
 
+from tests.eagle3_operator.conftest import AUTH_TOKEN
 from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, free_port
 
 
@@ -35,8 +36,18 @@ def test_wrong_server_is_reachable_but_not_ready(servers: ServerFarm):
     assert "/readyz answered 404" in result.error
 
 
-async def _probe(prober: Prober, addresses: dict[str, str]):
+def test_token_protected_server_needs_the_token(auth_servers: ServerFarm):
+    url = f"http://{auth_servers.primary[0]}:{auth_servers.primary[1]}"
+    without = asyncio.run(_probe(Prober(), {"p": url}))["p"]
+    assert (without.ready, without.reachable, without.error) == (False, True, "/v1/info answered 401")
+    wrong = asyncio.run(_probe(Prober(), {"p": url}, token="not-it"))["p"]
+    assert wrong.error == "/v1/info answered 401"
+    right = asyncio.run(_probe(Prober(), {"p": url}, token=AUTH_TOKEN))["p"]
+    assert right.ready and right.info is not None
+
+
+async def _probe(prober: Prober, addresses: dict[str, str], token: str | None = None):
     try:
-        return await prober.probe_many(addresses)
+        return await prober.probe_many(addresses, token)
     finally:
         await prober.close()
