@@ -1,0 +1,240 @@
+"""`make demo`: the whole product on this machine, as a platform engineer and a training job would use it.
+
+1. a local Kubernetes control plane (built from Go modules; kwok simulates two 8-GPU nodes whose pods get
+   loopback IPs),
+2. `helm install` of the operator chart, watching one namespace,
+3. the operator, run as a local process with the chart's ServiceAccount credentials (no image can be built
+   here), so it has exactly the chart's RBAC,
+4. a tiny random-weight model and `kubectl apply -f examples/quickstart.yaml`,
+5. for every pod the Deployment gets, the pod's own `eagle3-target serve` command line run for real at the
+   pod's IP (what the kubelet would do; kwok only pretends to run containers),
+6. `kubectl wait --for=condition=Ready`, then as a training job: resolve the target by name, pull supervision,
+   and print a report,
+7. teardown of everything it started, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import kubernetes
+import torch
+from eagle3_operator import render
+from eagle3_target.client import TargetClient, resolve
+from eagle3_target.tiny import write_tiny_model
+
+from tests.cluster import plane
+from tests.cluster.access import Cluster
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+TARGET = "quickstart"
+TARGET_NAMESPACE = "default"
+OPERATOR_NAMESPACE = "eagle3-system"
+RELEASE = "eagle3-operator"
+BATCH, SEQUENCE = 4, 128
+_started = time.monotonic()
+
+
+def step(message: str) -> None:
+    print(f"\n==> [{time.monotonic() - _started:5.1f}s] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def venv_script(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def wait_until(check: Callable[[], object], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.3)
+
+
+@contextlib.contextmanager
+def process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process in its own group, logging to a file, stopped (TERM, then KILL) on exit."""
+    with log.open("wb") as out:
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+
+
+def install_chart(cluster: Cluster) -> str:
+    """helm install the operator chart, serving only TARGET_NAMESPACE; returns its ServiceAccount's name."""
+    cluster.helm(
+        "install", RELEASE, str(REPO / "charts" / "eagle3-operator"),
+        "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+        "--set", f"watchNamespaces={{{TARGET_NAMESPACE}}}",
+    )  # fmt: skip
+    accounts = cluster.kubectl(
+        "get", "serviceaccounts", "-n", OPERATOR_NAMESPACE,
+        "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "jsonpath={.items[0].metadata.name}",
+    )  # fmt: skip
+    return accounts.stdout.strip()
+
+
+class PodServers:
+    """Runs each target pod's own `eagle3-target serve` command at the pod's IP, as a kubelet would run its
+    container: the command line comes from the pod the operator rendered, with the model volume's hostPath
+    in place of the in-container mount and the pod's IP in place of 0.0.0.0."""
+
+    def __init__(self, cluster: Cluster, stack: contextlib.ExitStack, logs: Path) -> None:
+        self.core = kubernetes.client.CoreV1Api(cluster.api_client)
+        self.stack = stack
+        self.logs = logs
+        self.serving: dict[str, str] = {}  # pod name -> address
+
+    def sync(self) -> None:
+        selector = ",".join(f"{k}={v}" for k, v in render.selector_labels(TARGET).items())
+        for pod in self.core.list_namespaced_pod(TARGET_NAMESPACE, label_selector=selector).items:
+            if pod.metadata.name in self.serving or not pod.status.pod_ip:
+                continue
+            argv = self.host_command(pod)
+            log = self.logs / f"server-{pod.metadata.name}.log"
+            self.stack.enter_context(process(argv, log))
+            self.serving[pod.metadata.name] = pod.status.pod_ip
+            print(f"    {pod.metadata.name}: serving at {pod.status.pod_ip} (log {log})", flush=True)
+
+    @staticmethod
+    def host_command(pod: kubernetes.client.V1Pod) -> list[str]:
+        container = next(c for c in pod.spec.containers if c.command and "serve" in c.command)
+        mounts = {m.name: m.mount_path for m in container.volume_mounts or ()}
+        host_paths = {v.name: v.host_path.path for v in pod.spec.volumes or () if v.host_path}
+        on_host = {mounts[name]: path for name, path in host_paths.items() if name in mounts}
+        argv = list(container.command) + list(container.args or ())
+        for flag, value in (("--model", None), ("--host", pod.status.pod_ip)):
+            index = argv.index(flag) + 1
+            argv[index] = value or on_host.get(argv[index], argv[index])
+        argv[0] = venv_script(argv[0])
+        return argv
+
+
+def report(cluster: Cluster) -> None:
+    step(f"a training job resolves {TARGET!r} by name and pulls supervision")
+    target = resolve(TARGET, TARGET_NAMESPACE, wait=60, kubeconfig=str(cluster.kubeconfig))
+    print(f"    url:         {target.url}")
+    print(f"    endpoints:   {', '.join(target.endpoints)}")
+    print(f"    fingerprint: {target.fingerprint}")
+    model = target.model
+    print(f"    model:       {model.name} ({model.engine}, {model.dtype}), {model.num_hidden_layers} layers,")
+    print(f"                 hidden {model.hidden_size}, vocab {model.vocab_size}, aux {model.aux_layer_ids}")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.vocab_size, (BATCH, SEQUENCE), generator=generator)
+    ones = torch.ones_like(input_ids)
+    with TargetClient(target.urls) as client:
+        batch = client.batch(input_ids, ones, ones, format="hidden")  # warm-up: fetches the LM head once
+        rounds, began = 5, time.perf_counter()
+        for _ in range(rounds):
+            batch = client.batch(input_ids, ones, ones, format="hidden")
+        seconds = time.perf_counter() - began
+        wire = client.stats
+    print(f"    batch of {BATCH} x {SEQUENCE} tokens, format 'hidden' (the client applies the LM head):")
+    for name in ("aux_hidden_states", "input_ids", "attention_mask", "loss_mask", "logits"):
+        tensor = getattr(batch, name)
+        print(f"      {name:<18} {tuple(tensor.shape)!s:<16} {str(tensor.dtype).removeprefix('torch.')}")
+    print(f"    throughput:  {rounds * BATCH * SEQUENCE / seconds:,.0f} tokens/s over {rounds} batches "
+          f"(client stats: {dict(wire)})")  # fmt: skip
+
+
+def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
+    with contextlib.ExitStack() as stack:
+        step("starting a local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)")
+        running = plane.start(work / "cluster", detached=False)
+        stack.callback(running.stop)
+        cluster = running.cluster()
+        print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product", "-o", "wide").stdout)
+        print(cluster.kubectl(
+            "get", "nodes", "-o",
+            "custom-columns=NODE:.metadata.name,GPUS:.status.allocatable.nvidia\\.com/gpu,PODCIDR:.spec.podCIDR",
+        ).stdout)  # fmt: skip
+
+        step(f"helm install {RELEASE} (watching namespace {TARGET_NAMESPACE!r})")
+        account = install_chart(cluster)
+        print(cluster.helm("list", "-n", OPERATOR_NAMESPACE).stdout)
+
+        step(f"starting the operator as ServiceAccount {OPERATOR_NAMESPACE}/{account} (the chart's RBAC)")
+        operator_kubeconfig = cluster.write_service_account_kubeconfig(
+            OPERATOR_NAMESPACE, account, work / "operator.kubeconfig"
+        )
+        liveness = free_port()
+        operator_argv = [
+            venv_script("eagle3-operator"), "--namespace", TARGET_NAMESPACE,
+            "--liveness", f"http://127.0.0.1:{liveness}/healthz",
+            "--metrics-port", str(free_port()), "--metrics-address", "127.0.0.1",
+        ]  # fmt: skip
+        env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "NO_PROXY": "*"}
+        operator = stack.enter_context(process(operator_argv, work / "operator.log", env))
+        wait_until(lambda: _answers(f"http://127.0.0.1:{liveness}/healthz", operator), "the operator", 60)
+        print(f"    operator up (log {work / 'operator.log'})")
+
+        step("writing a tiny random-weight Llama-style model where the quickstart's hostPath points")
+        model_dir = write_tiny_model(Path("/tmp/eagle3-quickstart/tiny-llama"), arch="llama")
+        print(f"    {model_dir}")
+
+        step(f"kubectl apply -f {QUICKSTART.relative_to(REPO)}")
+        print(cluster.kubectl("apply", "-f", str(QUICKSTART), "-n", TARGET_NAMESPACE).stdout.strip())
+
+        step("the operator renders a Deployment; each scheduled pod's server starts at the pod's IP")
+        servers = PodServers(cluster, stack, work)
+        wait_until(lambda: (servers.sync(), servers.serving)[1], "the target's pods", 120)
+
+        step(f"kubectl wait --for=condition=Ready e3t/{TARGET}")
+        waited = subprocess.Popen(
+            [str(cluster.kubectl_path), "--kubeconfig", str(cluster.kubeconfig), "-n", TARGET_NAMESPACE,
+             "wait", "--for=condition=Ready", f"e3t/{TARGET}", "--timeout=180s"],
+        )  # fmt: skip
+        wait_until(lambda: (servers.sync(), waited.poll() is not None)[1], "Ready", 200)
+        if waited.returncode != 0:
+            raise SystemExit(f"the target did not become Ready; see {work}/operator.log and the server logs")
+        print(cluster.kubectl("get", "e3t", "-n", TARGET_NAMESPACE, "-o", "wide").stdout)
+
+        report(cluster)
+        step("tearing down (servers, operator, control plane)")
+    print(f"\ndone in {time.monotonic() - _started:.0f}s; logs kept in {work}")
+
+
+def _answers(url: str, child: subprocess.Popen[bytes]) -> bool:
+    if child.poll() is not None:
+        raise SystemExit(f"exited with code {child.returncode}; see its log")
+    with contextlib.suppress(OSError):
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=2) as answer:
+            return answer.status == 200
+    return False
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything the demo started has been stopped", file=sys.stderr)
+        sys.exit(130)
