@@ -34,15 +34,18 @@ NEEDS_VOCAB = ("draft", "probs")
 class TargetClient:
     """A keep-alive HTTP client over a target's ready endpoints, with retries, fail-over and prefetch.
 
-    Build it from URLs (`TargetClient(["http://10.0.0.5:8000"])`) or from an `Eagle3Target` name
-    (`TargetClient.from_target("llama-8b", namespace="training")`), which also re-reads the endpoints from the
-    resource while running. It is safe to use from several threads.
+    `target` is one or more server URLs (`TargetClient("http://10.0.0.5:8000")`) or the name of an
+    `Eagle3Target` (`TargetClient("llama-8b", namespace="training")`): a name is resolved (waiting up to
+    `wait` seconds for Ready) and its endpoints are re-read from the resource while running. Thread-safe.
     """
 
     def __init__(
         self,
-        urls: str | Iterable[str],
+        target: str | Iterable[str],
         *,
+        namespace: str | None = None,
+        wait: float = 300.0,
+        kubeconfig: str | None = None,
         token: str | None = None,
         timeout_s: float = 120.0,
         max_attempts: int = 10,
@@ -50,11 +53,17 @@ class TargetClient:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         allow_fingerprint_change: bool = False,
-        refresh: Callable[[], ResolvedTarget] | None = None,
         refresh_interval_s: float = 30.0,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.pool = EndpointPool([urls] if isinstance(urls, str) else urls, backoff_initial_s, backoff_max_s)
+        self._refresh: Callable[[], ResolvedTarget] | None = None
+        resolved: ResolvedTarget | None = None
+        if isinstance(target, str) and "://" not in target:
+            resolved, self._refresh = follow_resource(target, namespace, wait, kubeconfig)
+            urls: Iterable[str] = resolved.urls
+        else:
+            urls = [target] if isinstance(target, str) else target
+        self.pool = EndpointPool(urls, backoff_initial_s, backoff_max_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # trust_env=False: the endpoints are in-cluster peers, never to be reached through an ambient proxy.
         self._http = httpx.Client(
@@ -66,7 +75,6 @@ class TargetClient:
         self.device = torch.device(device)
         # What happened on the wire: requests, bytes, retries by cause, refreshes (read it, don't write it).
         self.stats: Counter[str] = Counter()
-        self._refresh = refresh
         self._refresh_interval_s = refresh_interval_s
         self._last_refresh = time.monotonic()
         self._lock = threading.RLock()
@@ -74,28 +82,8 @@ class TargetClient:
         self._info: dict[str, Any] | None = None
         self._weights: dict[str, Tensor] = {}
         self._vocabs: dict[str, VocabMapping] = {}
-
-    @classmethod
-    def from_target(
-        cls,
-        name: str,
-        namespace: str | None = None,
-        *,
-        wait: float = 300.0,
-        kubeconfig: str | None = None,
-        **kwargs: Any,
-    ) -> TargetClient:
-        """Resolve the `Eagle3Target` (waiting for Ready), then follow its endpoints as they change."""
-        api_client, default_namespace = api_client_from_environment(kubeconfig)
-        namespace = namespace or default_namespace
-        target = resolve(name, namespace, wait, api_client=api_client)
-
-        def refresh() -> ResolvedTarget:
-            return resolve(name, namespace, wait=0, api_client=api_client)
-
-        client = cls(target.urls, refresh=refresh, **kwargs)
-        client._check_fingerprint(target.fingerprint, f"{namespace}/{name} status")
-        return client
+        if resolved is not None:
+            self._check_fingerprint(resolved.fingerprint, f"{resolved.namespace}/{resolved.name} status")
 
     def __enter__(self) -> TargetClient:
         return self
@@ -349,3 +337,17 @@ def _retry_after_s(response: httpx.Response) -> float | None:
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
+
+
+def follow_resource(
+    name: str, namespace: str | None, wait: float, kubeconfig: str | None
+) -> tuple[ResolvedTarget, Callable[[], ResolvedTarget]]:
+    """Resolve the target now, and a function that re-reads it (no waiting) to pick up endpoint changes."""
+    api_client, default_namespace = api_client_from_environment(kubeconfig)
+    namespace = namespace or default_namespace
+    resolved = resolve(name, namespace, wait, api_client=api_client)
+
+    def refresh() -> ResolvedTarget:
+        return resolve(name, namespace, wait=0, api_client=api_client)
+
+    return resolved, refresh

@@ -191,8 +191,13 @@ def test_client_by_resource_name_follows_endpoint_changes(
     published["model"] = published["model"] | {"fingerprint": llama_server_fingerprint(llama_server)}
     create_target(objects, namespace, "moving")
     write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(dead)]})
-    client = TargetClient.from_target(
-        "moving", namespace, wait=30, kubeconfig=str(cluster.kubeconfig), token=TOKEN, **FAST_RETRIES
+    client = TargetClient(
+        "moving",
+        namespace=namespace,
+        wait=30,
+        kubeconfig=str(cluster.kubeconfig),
+        token=TOKEN,
+        **FAST_RETRIES,
     )
     assert client.pool.urls == (dead,)
     write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(llama_server.url)]})
