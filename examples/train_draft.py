@@ -178,10 +178,7 @@ def main(
     if (target is None) == (not url):
         raise typer.BadParameter("give exactly one of --target or --url")
     token = token_file.read().strip() if token_file else None
-    client = (
-        TargetClient.from_target(target, namespace, token=token) if target else TargetClient(url, token=token)
-    )
-    with client:
+    with TargetClient(target or url, namespace=namespace, token=token) as client:
         history = train(
             client,
             steps=steps,
