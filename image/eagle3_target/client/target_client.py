@@ -22,6 +22,7 @@ from eagle3_target.client.endpoints import EndpointPool
 from eagle3_target.client.errors import FingerprintChanged, RequestRejected, ResolveError, TargetUnavailable
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.resolve import ResolvedTarget, api_client_from_environment, resolve
+from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
 from eagle3_target.wire.tensors import decode, encode
@@ -203,10 +204,8 @@ class TargetClient:
 
         return prefetch(fetch, batches, depth)
 
-    def as_target_runner(self) -> Any:
+    def as_target_runner(self) -> RemoteTargetRunner:
         """NeMo AutoModel's `TargetRunner` surface over this client (see `runner_adapter`)."""
-        from eagle3_target.client.runner_adapter import RemoteTargetRunner
-
         return RemoteTargetRunner(self)
 
     # --- the request loop ------------------------------------------------------------------------------
