@@ -129,6 +129,20 @@ def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
         assert torch.equal(got.input_ids, want.input_ids)
 
 
+def test_a_full_queue_answers_429_and_the_client_comes_back_after_retry_after(
+    spawn_server, tiny_llama_dir, llama_runner
+):
+    busy = spawn_server(tiny_llama_dir, "--max-queue", "1")
+    seeds = list(range(30, 38))
+    with TargetClient(busy.url, max_attempts=100, **FAST_RETRIES) as client:
+        delivered = list(client.prefetch((token_batch(seed) for seed in seeds), depth=6))
+        assert client.stats["status_429"] >= 1  # 6 requests at once against 1 running + 1 queued
+    for got, seed in zip(delivered, seeds, strict=True):
+        want = reference(llama_runner, seed)
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.aux_hidden_states, want.aux_hidden_states)
+
+
 def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
     spawn_server, tiny_llama_dir, llama_runner
 ):
