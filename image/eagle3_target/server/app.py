@@ -53,7 +53,8 @@ def weight_tensor(state: ServerState, name: str) -> torch.Tensor:
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    """Build the app; the model starts loading when the app starts, after the socket listens."""
+    """Build the app. Starting it only starts the model load on a background thread, so the socket
+    listens (and /healthz answers, /readyz says 503) while the weights load."""
     state = ServerState(settings)
 
     @asynccontextmanager

@@ -17,6 +17,7 @@ import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.runners import TargetRunner, check_inputs, load_runner, model_info
+from eagle3_target.runners.base import text_config
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint
 from eagle3_target.server.settings import ServerSettings
@@ -88,7 +89,7 @@ def load_target(settings: ServerSettings) -> LoadedTarget:
     )
     facts = model_info(runner)
     run_canary(runner, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size)
-    config = runner.model.config
+    config = text_config(runner.model.config)
     max_len = settings.max_model_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
     dtype_name = str(facts.dtype).removeprefix("torch.")
     aux_ids = list(runner.aux_layer_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -56,6 +57,21 @@ def test_request_id_is_echoed_or_generated(server):
     assert echoed.headers["x-request-id"] == "trace-123"
     generated = httpx.get(server.url + "/healthz", headers={"X-Request-ID": "bad id\twith spaces"})
     assert generated.headers["x-request-id"] not in ("", "bad id\twith spaces")
+    # The access log is JSON lines carrying the request id (written just after the response is sent).
+    access = wait_for_log_entry(server, "trace-123")
+    assert access["route"] == "/healthz" and access["status"] == 200 and access["level"] == "INFO"
+    assert wait_for_log_entry(server, generated.headers["x-request-id"])["route"] == "/healthz"
+
+
+def wait_for_log_entry(server, request_id: str) -> dict:
+    deadline = time.monotonic() + 10
+    while True:
+        entries = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        matching = [e for e in entries if e.get("request_id") == request_id]
+        if matching:
+            return matching[-1]
+        assert time.monotonic() < deadline, f"no log entry with request_id {request_id}"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("fmt", ["hidden", "draft", "probs", "logits"])
