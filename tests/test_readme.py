@@ -1,0 +1,36 @@
+"""The README is what users read first: its two commands, its links and its resource reference must hold."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def test_the_two_commands_come_first_and_exist_in_the_makefile():
+    first_block = README.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_relative_links_point_at_files():
+    for target in re.findall(r"\]\(([^)#]+)\)", README):
+        if "://" not in target:
+            assert (REPO / target).exists(), target
+
+
+def test_resource_reference_matches_the_crd():
+    generated = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "crd_reference.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "`spec.model.source.pvc.claimName`" in generated
+    stale = "README's reference is stale: run python scripts/crd_reference.py --write README.md"
+    assert generated.strip() in README, stale
