@@ -42,6 +42,9 @@ def tensor_at(body: Tensor, start: int, nbytes: int, dtype: torch.dtype, shape: 
         except RuntimeError as exc:  # e.g. a zero dim beside dims whose product overflows int64
             raise WireFormatError(f"cannot build an empty tensor of shape {list(shape)}: {exc}") from None
     raw = body[start : start + nbytes]
+    if dtype == torch.bool and int(raw.max()) > 1:
+        # A C++ bool holding another byte is undefined behaviour in torch's kernels: refuse it here.
+        raise WireFormatError("a bool tensor holds bytes other than 0 and 1")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if raw.storage_offset() % itemsize or raw.data_ptr() % itemsize:
         raw = raw.clone()

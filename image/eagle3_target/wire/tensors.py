@@ -83,7 +83,8 @@ def _parse_header(text: bytes) -> dict[str, Any]:
 
     try:
         header = json.loads(text.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    # ValueError also covers JSONDecodeError, UnicodeDecodeError and integers too long to convert.
+    except (ValueError, RecursionError) as exc:
         raise WireFormatError(f"safetensors header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
         raise WireFormatError("safetensors header must be a JSON object")

@@ -146,6 +146,7 @@ GOOD = _entry("x", 0, [2], bytes(8))
         (HEADER + _entry("x", 0, [3], bytes(8)), "8 bytes for shape \\[3\\]"),
         (HEADER + _entry("x", 0, [1 << 40, 1 << 40], bytes(8)), "expected"),
         (HEADER + GOOD + GOOD, "repeats key 'x'"),
+        (HEADER + _entry("m", 9, [3], b"\x00\x01\x02"), "bytes other than 0 and 1"),
         (HEADER + GOOD + b"\x00", "truncated"),
     ],
 )

@@ -127,6 +127,8 @@ GOOD = {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
         (_body([1, 2]), "JSON object"),
         (struct.pack("<Q", 37) + b'{"__metadata__":{},"__metadata__":{}}', "duplicate keys"),
         (_body({"__metadata__": {"a": 1}}), "__metadata__"),
+        (struct.pack("<Q", 5000) + b"[" + b"1" * 4998 + b"]", "UTF-8 JSON"),  # int too long to convert
+        (_body({"m": {"dtype": "BOOL", "shape": [2], "data_offsets": [0, 2]}}, b"\x01\xff"), "0 and 1"),
         (_body({"x": {"dtype": "F32", "shape": [2]}}, bytes(8)), "exactly dtype"),
         (_body({"x": {**GOOD["x"], "extra": 1}}, bytes(8)), "exactly dtype"),
         (_body({"x": {**GOOD["x"], "dtype": "C64"}}, bytes(8)), "unsupported dtype"),
