@@ -19,6 +19,7 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
+from urllib3.exceptions import HTTPError as TransportError
 
 from eagle3_target.client.errors import (
     ResolveError,
@@ -29,7 +30,7 @@ from eagle3_target.client.errors import (
 )
 
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-# Used only while the watch itself is forbidden (a role granting get but not watch).
+# Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
 POLL_INTERVAL_S = 2.0
 
 
@@ -210,6 +211,10 @@ def _get(api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespa
         )
     except ApiException as exc:
         raise _classify(api, resource, name, namespace, exc) from exc
+    except TransportError as exc:
+        raise ResolveError(
+            f"cannot reach the Kubernetes API server to read {resource.plural}/{name}: {exc}"
+        ) from exc
 
 
 def _classify(
@@ -283,7 +288,9 @@ def _watch_until_ready(
         if exc.status == 403:
             return None, False
         if exc.status != 410:
-            raise
+            raise _classify(api, resource, meta["name"], meta["namespace"], exc) from exc
+    except TransportError:
+        return None, False  # The watch stream broke (API server restart, a proxy): poll from now on.
     finally:
         watcher.stop()
     return None, True

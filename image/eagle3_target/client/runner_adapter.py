@@ -55,7 +55,9 @@ class RemoteTargetRunner:
                 "Eagle3Target (or --aux-layer-ids on the server) to change them"
             )
 
-    def forward_eagle3(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_eagle3(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(logits [B,S,V], aux [B,S,3H]), both unshifted, as an in-process runner returns them."""
         raw = self.client.supervise(input_ids, attention_mask, format="hidden")
         logits = logits_from_hidden(raw["final_hidden"], self.client.weight("lm_head"))

@@ -13,6 +13,7 @@ import kubernetes
 import pytest
 from eagle3_target.client import (
     ResolvedTarget,
+    ResolveError,
     ResolveTimeout,
     TargetAccessForbidden,
     TargetCRDMissing,
@@ -22,6 +23,7 @@ from eagle3_target.client import (
 from eagle3_target.client.resolve import TargetResource, readiness
 
 from tests.eagle3_target.client.helpers import GROUP, PLURAL, VERSION, create_target, status, write_status
+from tests.eagle3_target.server.server_process import free_port
 
 
 def still_waiting(thread: threading.Thread) -> bool:
@@ -93,6 +95,15 @@ def test_missing_crd(cluster, namespace, objects):
         resolve(
             "t", namespace, resource=TargetResource(plural="absenttargets"), api_client=cluster.api_client
         )
+
+
+def test_unreachable_api_server_is_a_resolve_error():
+    """A training job whose API server is down gets a readable ResolveError, not urllib3's traceback."""
+    configuration = kubernetes.client.Configuration()
+    configuration.host = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ResolveError, match="cannot reach the Kubernetes API server") as raised:
+        resolve("t", "ns", wait=0, api_client=kubernetes.client.ApiClient(configuration))
+    assert type(raised.value) is ResolveError  # not one of the classes that name a cause on the cluster
 
 
 def test_forbidden(cluster, namespace, objects, tmp_path):

@@ -162,7 +162,9 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
 
     fetcher = threading.Thread(target=fetch)
     fetcher.start()
+    deadline = time.monotonic() + 60
     while strict.stats["connection_errors"] == 0:  # nothing listens yet: the first attempt must fail
+        assert fetcher.is_alive() and time.monotonic() < deadline, outcome
         time.sleep(0.05)
     first = spawn_server(tiny_llama_dir, port=port, wait_ready=False)
     fetcher.join(timeout=180)
