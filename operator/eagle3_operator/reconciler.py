@@ -125,6 +125,9 @@ class _Memory:
     uid: str = ""
     written_status: dict[str, Any] | None = None
     written_version: str | None = None
+    # The target's resourceVersion the last write was based on: while the index still shows that version,
+    # it has not caught up with the write, and the written status stands in for the stored one.
+    written_over: str | None = None
     applied: dict[tuple[str, str], tuple[str, str]] = field(
         default_factory=dict
     )  # (kind, name) -> digest, rv
@@ -238,7 +241,8 @@ class Reconciler:
                 observation = Observation(generation=snapshot.generation, spec=None, spec_error=message)
             else:
                 observation = await self._observe(key, snapshot, spec, applied)
-        previous = memory.written_status if memory.written_status is not None else dict(snapshot.status)
+        lagging = memory.written_status is not None and snapshot.resource_version == memory.written_over
+        previous = memory.written_status if lagging else dict(snapshot.status)
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)
         if patch:
@@ -256,6 +260,7 @@ class Reconciler:
             metrics.STATUS_WRITES.inc()
             memory.written_status = status
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
+            memory.written_over = snapshot.resource_version
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
         memory.failures = 0
         self._phases[key] = status["phase"]

@@ -306,6 +306,25 @@ def test_drift_is_repaired(targets: Targets):
     assert repaired.metadata.uid == deployment.metadata.uid  # repaired in place, not recreated
 
 
+def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: Targets):
+    """The status is the operator's report of what it observes: a foreign write to it is undone."""
+    targets.create(target_manifest("told", free_port()))
+    honest = wait_for(
+        lambda: ((targets.get("told") or {}).get("status") or {}).get("endpoints") and targets.get("told"),
+        "a published endpoint",
+    )["status"]
+    assert honest["phase"] != "Ready"
+
+    targets.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, targets.namespace, PLURAL, "told", {"status": {"phase": "Ready", "url": "http://x"}}
+    )
+    restored = wait_for(
+        lambda: (s := (targets.get("told") or {}).get("status") or {}).get("url") == honest["url"] and s,
+        "the foreign status write undone",
+    )
+    assert restored["phase"] == honest["phase"]
+
+
 def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
     targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
 
