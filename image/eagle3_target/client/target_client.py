@@ -173,8 +173,14 @@ class TargetClient:
         `hidden` ships the final hidden state and applies the LM head here; `draft` and `probs` need the draft
         `mapping` and rebuild `target_probs` + `position_mask`; `logits` ships the full logits.
         """
+        # Full logits in the model dtype, as the in-process backend has them (the server's default is fp32).
+        dtype = self.info()["dtype"] if format == "logits" else None
         raw = self.supervise(
-            input_ids, attention_mask, format=format, vocab=mapping if format in NEEDS_VOCAB else None
+            input_ids,
+            attention_mask,
+            format=format,
+            vocab=mapping if format in NEEDS_VOCAB else None,
+            dtype=dtype,
         )
         lm_head = self.weight("lm_head") if format == "hidden" else None
         device = self.device

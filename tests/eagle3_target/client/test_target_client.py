@@ -12,6 +12,7 @@ import torch
 from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClient, TargetUnavailable
 from eagle3_target.client.target_client import _retry_after_s
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
+from eagle3_target.runners.hf import HFRunner
 
 from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
 from tests.eagle3_target.server.server_process import free_port
@@ -60,6 +61,21 @@ def test_batch_equals_in_process_hf_batch(llama_server, llama_runner, fmt, with_
     assert_identical(got, expected)
     if mapping is not None:
         assert expected.position_mask.any() and not expected.position_mask.all()  # the mask is exercised
+
+
+def test_batch_of_a_bfloat16_target_equals_in_process_hf_batch_dtypes_included(spawn_server, tiny_llama_dir):
+    server = spawn_server(tiny_llama_dir, "--dtype", "bfloat16")
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="bfloat16", device="cpu")
+    with TargetClient(server.url) as client:
+        for fmt, mapping in [
+            ("hidden", None),
+            ("logits", None),
+            ("draft", draft_mapping()),
+            ("probs", draft_mapping()),
+        ]:
+            expected = reference(runner, seed=8, mapping=mapping)
+            assert expected.aux_hidden_states.dtype == torch.bfloat16
+            assert_identical(client.batch(*token_batch(8), format=fmt, mapping=mapping), expected)
 
 
 def test_formats_that_need_a_vocab_refuse_to_run_without_one(llama_server):
