@@ -1,6 +1,7 @@
 """The Helm chart, with the real helm binary: lint, templates for several value sets, values the schema must
-refuse, a server-side dry run of everything it renders, and an install whose ServiceAccount can do exactly
-what the operator needs (checked with `kubectl auth can-i`)."""
+refuse, a server-side dry run of everything it renders, an install whose ServiceAccount can do exactly
+what the operator needs (checked with `kubectl auth can-i`), and the operator
+reconciling a target with that account."""
 
 import re
 import subprocess
@@ -12,6 +13,9 @@ import pytest
 import typer
 import yaml
 from eagle3_operator import cli
+from eagle3_target.tiny import write_tiny_model
+
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "eagle3-operator"
@@ -332,3 +336,52 @@ def test_cluster_wide_install_reaches_every_namespace(cluster, namespace):
                 assert not can_i(cluster, account, *check[:2], target_namespace, *check[2:]), check
     finally:
         cluster.helm("uninstall", release, "--namespace", namespace, check=False)
+
+
+def test_operator_with_the_charts_account_reconciles_a_target_to_ready(cluster, namespace, tmp_path):
+    """The RBAC is sufficient: the operator, authenticated only as the chart's ServiceAccount (as its pod
+    would be), takes a target to Ready against a real server at the kwok pod's IP."""
+    watched = f"{namespace}-w"
+    cluster.kubectl("create", "namespace", watched)
+    cluster.helm(
+        "install", "e3", str(CHART), "--namespace", namespace, "--set", f"watchNamespaces={{{watched}}}"
+    )
+    farm = ServerFarm(write_tiny_model(tmp_path / "model", arch="llama"))
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    serving = PodServing(core, watched, farm)
+    kubeconfig = cluster.write_service_account_kubeconfig(namespace, "e3-eagle3-operator", tmp_path / "sa")
+    operator = OperatorProcess(kubeconfig, tmp_path, [watched])
+    try:
+        operator.start()
+        port = free_port()
+        serving.ports.add(port)
+        target = {
+            "apiVersion": "eagle3.dev/v1alpha1",
+            "kind": "Eagle3Target",
+            "metadata": {"name": "charted"},
+            "spec": {
+                "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny"}}},
+                "engine": "hf",
+                "port": port,
+            },
+        }
+        custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+        custom.create_namespaced_custom_object("eagle3.dev", "v1alpha1", watched, "eagle3targets", target)
+
+        def ready() -> dict[str, Any] | None:
+            body = custom.get_namespaced_custom_object(
+                "eagle3.dev", "v1alpha1", watched, "eagle3targets", "charted"
+            )
+            status = body.get("status") or {}
+            conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+            return status if conditions.get("Ready") == "True" else None
+
+        status = wait_for(ready, "the target Ready under the chart's ServiceAccount", timeout=120)
+        assert status["endpoints"][0]["ready"] and status["model"]["name"] == "tiny-llama"
+        assert "Forbidden" not in operator.log() and "403" not in operator.log()
+    finally:
+        operator.stop()
+        serving.close()
+        farm.close()
+        cluster.helm("uninstall", "e3", "--namespace", namespace, check=False)
+        cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)
