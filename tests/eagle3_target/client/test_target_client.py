@@ -13,6 +13,8 @@ from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClie
 from eagle3_target.client.target_client import _retry_after_s
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
 from eagle3_target.runners.hf import HFRunner
+from eagle3_target.wire.tensors import encode
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
 from tests.eagle3_target.server.server_process import free_port
@@ -149,14 +151,45 @@ def test_a_full_queue_answers_429_and_the_client_comes_back_after_retry_after(
     spawn_server, tiny_llama_dir, llama_runner
 ):
     busy = spawn_server(tiny_llama_dir, "--max-queue", "1")
+    # Occupy the engine with a long batch first, so the 6 concurrent requests below find it busy: one may
+    # wait in the queue, the others must get 429 and come back after Retry-After.
+    occupied: list[httpx.Response] = []
+    occupier = threading.Thread(target=lambda: occupied.append(occupy_engine(busy.url)))
+    tokens_before = batch_tokens_sum(busy.url)
+    occupier.start()
+    deadline = time.monotonic() + 120
+    while batch_tokens_sum(busy.url) == tokens_before:
+        assert occupier.is_alive() and time.monotonic() < deadline, "the long batch never reached the engine"
+        time.sleep(0.02)
     seeds = list(range(30, 38))
     with TargetClient(busy.url, max_attempts=100, **FAST_RETRIES) as client:
         delivered = list(client.prefetch((token_batch(seed) for seed in seeds), depth=6))
-        assert client.stats["status_429"] >= 1  # 6 requests at once against 1 running + 1 queued
+        assert client.stats["status_429"] >= 1
+    occupier.join()
+    assert [r.status_code for r in occupied] == [200]
     for got, seed in zip(delivered, seeds, strict=True):
         want = reference(llama_runner, seed)
         torch.testing.assert_close(got.logits, want.logits)
         torch.testing.assert_close(got.aux_hidden_states, want.aux_hidden_states)
+
+
+def occupy_engine(url: str) -> httpx.Response:
+    """One supervision request of 8 x 1024 tokens in the `logits` format: seconds of engine work on CPU."""
+    ids = torch.randint(0, 256, (8, 1024), generator=torch.Generator().manual_seed(0))
+    return httpx.post(
+        url + "/v1/supervision", params={"format": "logits"}, content=encode({"input_ids": ids}), timeout=300
+    )
+
+
+def batch_tokens_sum(url: str) -> float:
+    """Tokens of every engine batch started so far (the worker records a batch as it starts it)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "eagle3_batch_tokens_sum"
+    )
 
 
 def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
