@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from eagle3_target.contract import VocabMapping
@@ -136,9 +136,9 @@ def nemo_router(state: ServerState) -> APIRouter:
         return {"status": "disabled"}
 
     @router.post("/disconnect")
-    async def disconnect(request: Request) -> JSONResponse:
+    async def disconnect(request: Request) -> dict[str, str]:
         host, port = peer(request)
         log.info("client disconnected; the server keeps serving", extra={"peer": f"{host}:{port}"})
-        return JSONResponse(OK)
+        return OK
 
     return router
