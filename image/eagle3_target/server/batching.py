@@ -119,16 +119,23 @@ class EngineWorker:
     def _loop(self) -> None:
         while (batch := self._take_batch()) is not None:
             live = [job for job in batch if job.future.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            self.metrics.batch_tokens.observe(sum(job.tokens for job in live))
-            try:
-                with torch.inference_mode():
-                    results = run_coalesced(live)
-            except Exception as exc:  # the failure belongs to these requests, never to the worker
-                log.exception("engine batch of %d request(s) failed", len(live))
-                for job in live:
-                    job.future.set_exception(exc)
-                continue
-            for job, result in zip(live, results, strict=True):
-                job.future.set_result(result)
+            if live:
+                self.metrics.batch_tokens.observe(sum(job.tokens for job in live))
+                self._run(live)
+
+    def _run(self, jobs: list[EngineJob]) -> None:
+        """Run one batch and resolve its futures; a failed shared batch is retried one job at a time, so
+        one request's bad input never fails the requests it was coalesced with."""
+        try:
+            with torch.inference_mode():
+                results = run_coalesced(jobs)
+        except Exception as exc:  # the failure belongs to these requests, never to the worker
+            if len(jobs) > 1:
+                for job in jobs:
+                    self._run([job])
+                return
+            log.warning("engine refused a request: %s: %s", type(exc).__name__, exc)
+            jobs[0].future.set_exception(exc)
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.future.set_result(result)

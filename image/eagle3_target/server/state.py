@@ -8,7 +8,7 @@ import threading
 
 from eagle3_target.contract import VocabMapping
 from eagle3_target.server.batching import EngineJob, EngineWorker, Tensors
-from eagle3_target.server.errors import NotReady
+from eagle3_target.server.errors import NotReady, Unprocessable
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import LoadedTarget, load_target
@@ -65,5 +65,12 @@ class ServerState:
         raise NotReady("model is loading", headers={"Retry-After": "5"})
 
     async def run_on_engine(self, job: EngineJob) -> Tensors:
-        """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result."""
-        return await asyncio.wrap_future(self.worker.submit(job))
+        """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result.
+
+        Runners raise ValueError for input they refuse (the server validates first, but an engine can be
+        stricter), so that becomes a 422 rather than a 500.
+        """
+        try:
+            return await asyncio.wrap_future(self.worker.submit(job))
+        except ValueError as exc:
+            raise Unprocessable(f"the engine refused the batch: {exc}") from exc

@@ -91,6 +91,8 @@ def load_target(settings: ServerSettings) -> LoadedTarget:
     run_canary(runner, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size)
     config = text_config(runner.model.config)
     max_len = settings.max_model_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
+    # An engine may take fewer tokens than its context (vLLM keeps one slot for the generated token).
+    max_len = min(max_len, getattr(runner, "max_prompt_len", max_len))
     dtype_name = str(facts.dtype).removeprefix("torch.")
     aux_ids = list(runner.aux_layer_ids)
     fingerprint = model_fingerprint(

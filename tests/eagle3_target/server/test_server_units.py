@@ -223,3 +223,42 @@ def test_worker_keeps_keys_and_lengths_apart_and_survives_errors():
         assert futures[2].result(timeout=30)["doubled"].shape == (1, 3)
     finally:
         worker.stop()
+
+
+def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
+    worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=ServerMetrics())
+    running, release = threading.Event(), threading.Event()
+
+    def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        running.set()
+        release.wait(timeout=30)
+        return double(inputs)
+
+    def refuses_negative_ids(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if bool((inputs["input_ids"] < 0).any()):
+            raise ValueError("negative token id")
+        return double(inputs)
+
+    worker.start()
+    try:
+        worker.submit(
+            EngineJob(
+                batch_key="b", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=blocking
+            )
+        )
+        assert running.wait(timeout=30)
+        good = [job(1, 3, 0), job(1, 3, 10)]
+        poison = EngineJob(
+            batch_key="k", inputs={"input_ids": -torch.ones(1, 3, dtype=torch.int64)}, compute=double
+        )
+        for j in (*good, poison):
+            j.compute = refuses_negative_ids
+        futures = [worker.submit(good[0]), worker.submit(poison), worker.submit(good[1])]
+        release.set()
+        with pytest.raises(ValueError, match="negative"):
+            futures[1].result(timeout=30)
+        for j, future in zip(good, (futures[0], futures[2]), strict=True):
+            assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+    finally:
+        release.set()
+        worker.stop()
