@@ -77,7 +77,8 @@ class Eagle3TargetBatch:
     def __post_init__(self) -> None:
         has_logits = self.logits is not None
         has_probs = self.target_probs is not None and self.position_mask is not None
-        if has_logits == has_probs:
+        half_probs = (self.target_probs is None) != (self.position_mask is None)
+        if has_logits == has_probs or half_probs:
             raise ValueError(
                 "Eagle3TargetBatch needs exactly one supervision encoding: `logits`, or both "
                 "`target_probs` and `position_mask`"

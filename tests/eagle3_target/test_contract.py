@@ -93,6 +93,10 @@ def test_batch_needs_exactly_one_supervision_encoding():
         Eagle3TargetBatch(**_batch_parts(), logits=logits, target_probs=probs, position_mask=mask)
     with pytest.raises(ValueError, match="exactly one"):
         Eagle3TargetBatch(**_batch_parts(), target_probs=probs)
+    with pytest.raises(ValueError, match="exactly one"):  # a stray half of the other encoding
+        Eagle3TargetBatch(**_batch_parts(), logits=logits, target_probs=probs)
+    with pytest.raises(ValueError, match="exactly one"):
+        Eagle3TargetBatch(**_batch_parts(), logits=logits, position_mask=mask)
 
 
 def test_trainer_inputs_dispatch_on_the_encoding():
