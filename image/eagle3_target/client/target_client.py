@@ -30,6 +30,7 @@ from eagle3_target.wire.tensors import decode, encode
 RETRYABLE_STATUS = (429, 503)
 WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
 NEEDS_VOCAB = ("draft", "probs")
+HALF_PRECISION_LOGITS = ("bfloat16", "float16")  # the `dtype` values /v1/supervision takes besides fp32
 
 
 class TargetClient:
@@ -173,8 +174,10 @@ class TargetClient:
         `hidden` ships the final hidden state and applies the LM head here; `draft` and `probs` need the draft
         `mapping` and rebuild `target_probs` + `position_mask`; `logits` ships the full logits.
         """
-        # Full logits in the model dtype, as the in-process backend has them (the server's default is fp32).
-        dtype = self.info()["dtype"] if format == "logits" else None
+        # Half-precision models' full logits come in the model dtype, as the in-process backend has them
+        # (the server's default is fp32, which every other model dtype gets).
+        model_dtype = self.info()["dtype"] if format == "logits" else None
+        dtype = model_dtype if model_dtype in HALF_PRECISION_LOGITS else None
         raw = self.supervise(
             input_ids,
             attention_mask,
