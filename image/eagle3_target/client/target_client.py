@@ -8,6 +8,7 @@ from whichever replica answered, and a checked fingerprint guarantees all answer
 from __future__ import annotations
 
 import email.utils
+import itertools
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,8 @@ class TargetClient:
     `target` is one or more server URLs (`TargetClient("http://10.0.0.5:8000")`) or the name of an
     `Eagle3Target` (`TargetClient("llama-8b", namespace="training")`): a name is resolved (waiting up to
     `wait` seconds for Ready) and its endpoints are re-read from the resource while running. Thread-safe.
+    A request is retried until `give_up_after_s` passes (or after `max_attempts`, when given), so a trainer
+    outlives a replica's restart: model loading takes minutes, far more than a fixed handful of retries.
     """
 
     def __init__(
@@ -50,7 +53,7 @@ class TargetClient:
         kubeconfig: str | None = None,
         token: str | None = None,
         timeout_s: float = 120.0,
-        max_attempts: int = 10,
+        max_attempts: int | None = None,
         give_up_after_s: float = 300.0,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
@@ -223,7 +226,7 @@ class TargetClient:
         """Send until an endpoint answers 2xx: fail over on connection errors, 429 and 503, with back-off."""
         started = time.monotonic()
         last_problem, attempts = "no attempt made", 0
-        for attempt in range(self.max_attempts):
+        for attempt in range(self.max_attempts) if self.max_attempts is not None else itertools.count():
             self._maybe_refresh(force=attempt > 0 and self.pool.all_cooling())
             url, wait = self.pool.pick()
             remaining = self.give_up_after_s - (time.monotonic() - started)

@@ -125,6 +125,17 @@ def test_unreachable_target_gives_up_with_the_last_error():
     assert client.stats["connection_errors"] == 3
 
 
+def test_by_default_the_client_retries_until_its_time_budget_is_spent():
+    """No fixed attempt count cuts a replica's restart short: only give_up_after_s ends the retries."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with (
+        TargetClient(url, give_up_after_s=3, **FAST_RETRIES) as client,
+        pytest.raises(TargetUnavailable, match=url),
+    ):
+        client.info()
+    assert client.stats["connection_errors"] > 10  # back-off is at most 0.2 s here: 3 s allow ~15 tries
+
+
 def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
     llama_server, llama_runner, spawn_server, tiny_llama_dir
 ):
@@ -162,7 +173,7 @@ def test_a_full_queue_answers_429_and_the_client_comes_back_after_retry_after(
         assert occupier.is_alive() and time.monotonic() < deadline, "the long batch never reached the engine"
         time.sleep(0.02)
     seeds = list(range(30, 38))
-    with TargetClient(busy.url, max_attempts=100, **FAST_RETRIES) as client:
+    with TargetClient(busy.url, **FAST_RETRIES) as client:
         delivered = list(client.prefetch((token_batch(seed) for seed in seeds), depth=6))
         assert client.stats["status_429"] >= 1
     occupier.join()
@@ -199,8 +210,8 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
     target's fingerprint changes: a strict client refuses it; a tolerant one adopts it (and drops caches)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    strict = TargetClient(url, max_attempts=10_000, give_up_after_s=180, **FAST_RETRIES)
-    tolerant = TargetClient(url, allow_fingerprint_change=True, max_attempts=10_000, **FAST_RETRIES)
+    strict = TargetClient(url, give_up_after_s=180, **FAST_RETRIES)
+    tolerant = TargetClient(url, allow_fingerprint_change=True, **FAST_RETRIES)
     outcome: list[Eagle3TargetBatch | BaseException] = []
 
     def fetch() -> None:
