@@ -49,7 +49,8 @@ POD_MONITOR_API = "monitoring.coreos.com/v1"
 SECRET_TTL_SECONDS = 60.0
 MAX_CONCURRENT_RECONCILES = 32
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-# Children whose kind has no index (its CRD may not even exist): applied when the rendering changes only.
+# Children whose kind has no index (its CRD may not even exist): applied when the rendering changes only, and
+# deleted when no longer rendered if this operator process applied them.
 UNWATCHED_KINDS = frozenset({"PodMonitor"})
 REJECTED = (400, 422)  # the API server will not take the child as rendered: no retry can help
 
@@ -125,12 +126,15 @@ class _Memory:
     uid: str = ""
     written_status: dict[str, Any] | None = None
     written_version: str | None = None
-    # The target's resourceVersion the last write was based on: while the index still shows that version,
-    # it has not caught up with the write, and the written status stands in for the stored one.
-    written_over: str | None = None
+    # Target resourceVersions that this operator's own status writes have superseded: while the index shows
+    # one of them, it has not caught up with the last write, and the written status stands in for the stored.
+    superseded: set[str] = field(default_factory=set)
     applied: dict[tuple[str, str], tuple[str, str]] = field(
         default_factory=dict
     )  # (kind, name) -> digest, rv
+    # Children of UNWATCHED_KINDS this operator applied, (kind, name) -> (apiVersion, uid): no index shows
+    # them, so this is how one that is no longer wanted is found and deleted.
+    unwatched: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     failures: int = 0
 
 
@@ -241,7 +245,9 @@ class Reconciler:
                 observation = Observation(generation=snapshot.generation, spec=None, spec_error=message)
             else:
                 observation = await self._observe(key, snapshot, spec, applied)
-        lagging = memory.written_status is not None and snapshot.resource_version == memory.written_over
+        lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
+        if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
+            memory.superseded.clear()
         previous = memory.written_status if lagging else dict(snapshot.status)
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)
@@ -259,8 +265,8 @@ class Reconciler:
             response = await self._api.patch_status(namespace, name, patch)
             metrics.STATUS_WRITES.inc()
             memory.written_status = status
+            memory.superseded |= {snapshot.resource_version, memory.written_version or ""}
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
-            memory.written_over = snapshot.resource_version
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
         memory.failures = 0
         self._phases[key] = status["phase"]
@@ -295,11 +301,21 @@ class Reconciler:
                 continue
             result = await self._api.apply(manifest)
             metrics.CHILD_APPLIES.labels(kind=manifest["kind"]).inc()
-            memory.applied[child_key] = (digest, (result.get("metadata") or {}).get("resourceVersion", ""))
+            result_metadata = result.get("metadata") or {}
+            memory.applied[child_key] = (digest, result_metadata.get("resourceVersion", ""))
+            if manifest["kind"] in UNWATCHED_KINDS:
+                memory.unwatched[child_key] = (manifest["apiVersion"], result_metadata.get("uid", ""))
             applied[manifest["kind"]] = result
-        for child in observed.values():
+        rendered = {(m["kind"], m["metadata"]["name"]) for m in desired}
+        unwanted = [
+            ChildState(api_version, kind, name, uid, "", snapshot.uid, {})
+            for (kind, name), (api_version, uid) in memory.unwatched.items()
+            if (kind, name) not in rendered
+        ]
+        for child in [*observed.values(), *unwanted]:
             await self._api.delete(child.api_version, child.kind, namespace, child.name, child.uid)
             memory.applied.pop((child.kind, child.name), None)
+            memory.unwatched.pop((child.kind, child.name), None)
         return applied
 
     async def _observe(

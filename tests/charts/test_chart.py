@@ -251,7 +251,7 @@ def may_apply_pod_monitors(cluster, account: str, namespace: str) -> bool:
     groups = ["system:serviceaccounts", f"system:serviceaccounts:{account_namespace}", "system:authenticated"]
     attributes = {"group": "monitoring.coreos.com", "resource": "podmonitors", "namespace": namespace}
     allowed = []
-    for verb in ("create", "patch"):
+    for verb in ("create", "patch", "delete"):
         review = kubernetes.client.V1SubjectAccessReview(
             spec=kubernetes.client.V1SubjectAccessReviewSpec(
                 user=account, groups=groups, resource_attributes={**attributes, "verb": verb}

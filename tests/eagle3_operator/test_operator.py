@@ -325,6 +325,58 @@ def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: T
     assert restored["phase"] == honest["phase"]
 
 
+POD_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                },
+            }
+        ],
+    },
+}
+
+
+def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets):
+    """Only prometheus-operator's PodMonitor CRD is needed (a stand-in with its group, version and names)."""
+    extensions = kubernetes.client.ApiextensionsV1Api(targets.cluster.api_client)
+    extensions.create_custom_resource_definition(POD_MONITOR_CRD)
+    targets.cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/podmonitors.monitoring.coreos.com"
+    )
+    try:
+
+        def pod_monitor() -> dict[str, Any] | None:
+            try:
+                return targets.custom.get_namespaced_custom_object(
+                    "monitoring.coreos.com", "v1", targets.namespace, "podmonitors", "watched"
+                )
+            except kubernetes.client.ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        monitoring = {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}}
+        targets.create(target_manifest("watched", free_port(), monitoring=monitoring))
+        monitor = wait_for(pod_monitor, "the PodMonitor")
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+        targets.patch_spec("watched", {"monitoring": {"podMonitor": {"enabled": False}}})
+        wait_for(lambda: pod_monitor() is None, "the PodMonitor deleted once disabled")
+    finally:
+        extensions.delete_custom_resource_definition(POD_MONITOR_CRD["metadata"]["name"])
+
+
 def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
     targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
 

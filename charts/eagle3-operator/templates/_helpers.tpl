@@ -52,10 +52,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# PodMonitors are applied (when their CRD exists) but not watched.
+# PodMonitors are applied (when their CRD exists) and deleted when disabled, but not watched.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [create, patch]
+  verbs: [create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
