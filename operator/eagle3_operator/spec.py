@@ -134,8 +134,8 @@ class EndpointSpec(_Model):
 class Eagle3TargetSpec(_Model):
     model: ModelSpec | None = None
     engine: Literal["vllm", "hf"] = "vllm"
-    aux_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    tensor_parallel_size: int = Field(1, ge=0, le=64)
+    aux_layer_ids: list[Annotated[int, Field(ge=0, le=1024)]] | None = None
+    tensor_parallel_size: int = Field(1, ge=0, le=16)
     replicas: int = Field(1, ge=0, le=64)
     suspend: bool = False
     max_model_len: int | None = Field(None, ge=1)

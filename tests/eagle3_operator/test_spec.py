@@ -38,7 +38,8 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[str]:
-    """Every difference between a CRD object schema and a pydantic model: field names, defaults, nesting."""
+    """Every difference between a CRD object schema and a pydantic model: field names, defaults, integer
+    bounds, nesting."""
     fields = {field.alias: field for field in model.model_fields.values()}
     problems = []
     if set(schema["properties"]) != set(fields):
@@ -47,6 +48,11 @@ def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[s
         prop, field = schema["properties"][name], fields[name]
         if "default" in prop and field.get_default(call_default_factory=True) != prop["default"]:
             problems.append(f"{path}.{name}: CRD default {prop['default']!r} != model {field.default!r}")
+        if prop.get("type") == "integer":
+            model_bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}
+            crd_bounds = {k: prop[key] for k, key in (("ge", "minimum"), ("le", "maximum")) if key in prop}
+            if model_bounds != crd_bounds:
+                problems.append(f"{path}.{name}: CRD bounds {crd_bounds} != model {model_bounds}")
         sub_schema = prop.get("items", prop)
         if "properties" in sub_schema:
             sub_model = nested_model(field.annotation)
