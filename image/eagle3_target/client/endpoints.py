@@ -61,15 +61,19 @@ class EndpointPool:
             return soonest.url, soonest.not_before - now
 
     def failed(self, url: str, retry_after_s: float | None = None, now: float | None = None) -> float:
-        """Record a failure; the endpoint rests for Retry-After if the server gave one, else the back-off."""
+        """Record a failure; the endpoint rests for Retry-After if the server gave one, else the back-off.
+
+        Retry-After is floored at the initial back-off: a "Retry-After: 0" must not make the client spin.
+        """
         now = time.monotonic() if now is None else now
         with self._lock:
             state = next((s for s in self._states if s.url == url), None)
             if state is None:
                 return 0.0  # Dropped by a refresh meanwhile.
-            delay = retry_after_s
-            if delay is None:
+            if retry_after_s is None:
                 delay = min(self.backoff_max_s, self.backoff_initial_s * 2**state.consecutive_failures)
+            else:
+                delay = max(retry_after_s, self.backoff_initial_s)
             state.consecutive_failures += 1
             state.not_before = now + delay
             return delay

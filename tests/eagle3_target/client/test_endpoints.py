@@ -31,6 +31,7 @@ def test_retry_after_overrides_backoff_and_all_cooling_reports_the_wait():
     assert pool.all_cooling(now=0.05)
     assert pool.pick(now=0.05) == (B, pytest.approx(0.05))
     assert not pool.all_cooling(now=0.2)
+    assert pool.failed(A, retry_after_s=0.0, now=1) == 0.1  # "Retry-After: 0" still rests a little
 
 
 def test_replace_keeps_state_of_surviving_endpoints_and_drops_the_rest():
