@@ -275,6 +275,7 @@ NEEDED = [
     ("watch", "pods"),
     ("get", "secrets"),
     ("create", "events"),
+    ("update", "eagle3targets.eagle3.dev", "--subresource=finalizers"),
 ]
 FORBIDDEN = [
     ("create", "secrets"),
@@ -283,6 +284,7 @@ FORBIDDEN = [
     ("list", "secrets"),
     ("patch", "eagle3targets.eagle3.dev"),
     ("delete", "eagle3targets.eagle3.dev"),
+    ("get", "pods"),
     ("create", "pods"),
     ("delete", "pods"),
     ("create", "pods", "--subresource=exec"),
