@@ -28,6 +28,7 @@ lint: venv
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest
 
 demo: setup
