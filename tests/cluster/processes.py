@@ -58,7 +58,7 @@ def _proc_stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
-def _die_with_parent() -> None:
+def kill_when_parent_dies() -> None:
     """Runs in the child before exec: the kernel SIGKILLs it if the test process dies without cleaning up."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -72,7 +72,7 @@ def spawn(name: str, argv: Sequence[str], log: Path, *, die_with_parent: bool) -
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent else None,
+            preexec_fn=kill_when_parent_dies if die_with_parent else None,
         )
     stat = _proc_stat(popen.pid)
     start_ticks = int(stat[19]) if stat is not None else 0

@@ -25,6 +25,8 @@ import httpx
 import kubernetes
 import uvicorn
 
+from tests.cluster.processes import kill_when_parent_dies
+
 LOOPBACK = "127.0.0.1"
 T = TypeVar("T")
 
@@ -48,7 +50,8 @@ def wait_for(check: Callable[[], T | None], what: str, timeout: float = 90.0, in
 
 
 class OperatorProcess:
-    """`eagle3-operator` as a subprocess: startable, killable (SIGKILL) and restartable, with its metrics."""
+    """`eagle3-operator` as a subprocess: startable, killable (SIGKILL) and restartable, with its metrics.
+    The kernel kills it if the test process dies without stopping it."""
 
     def __init__(
         self, kubeconfig: Path, log_dir: Path, namespaces: Sequence[str], reprobe_seconds: float = 1.0
@@ -81,7 +84,9 @@ class OperatorProcess:
         ]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "NO_PROXY": "*"}
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=kill_when_parent_dies
+            )
         wait_for(self._alive, "the operator's liveness endpoint", timeout=60)
 
     def _alive(self) -> bool:
