@@ -14,6 +14,11 @@ import torch
 from torch import Tensor
 
 
+class ForwardHiddenUnsupported(ValueError):
+    """`forward_hidden` refuses: this model's logits are not lm_head(final_norm(h_L)) (a softcap, a logit
+    scale), so only `forward_eagle3` gives them exactly. Callers that can take full logits fall back."""
+
+
 @runtime_checkable
 class TargetRunner(Protocol):
     """A frozen target LLM that returns EAGLE-3 captures. All outputs are unshifted (position-aligned)."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import check_inputs, text_config
+from eagle3_target.runners.base import ForwardHiddenUnsupported, check_inputs, text_config
 
 _DTYPES = {
     "float32": torch.float32,
@@ -112,7 +112,9 @@ class HFRunner:
     ) -> tuple[Tensor, Tensor]:
         for field in _NONLINEAR_HEAD_FIELDS:
             if getattr(self._config, field, None) is not None:
-                raise ValueError(f"this model's logits apply {field}; use forward_eagle3 for it")
+                raise ForwardHiddenUnsupported(
+                    f"this model's logits apply {field}; use forward_eagle3 for it"
+                )
 
         def run(ids: Tensor, mask: Tensor) -> Tensor:
             # The decoder alone stops at final_norm(h_L): no [B, S, V] logits are ever allocated.

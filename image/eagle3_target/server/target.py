@@ -17,7 +17,7 @@ import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.runners import TargetRunner, check_inputs, load_runner, model_info
-from eagle3_target.runners.base import text_config
+from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint
 from eagle3_target.server.settings import ServerSettings
@@ -198,14 +198,28 @@ NEMO_SUPERVISION_KEYS = ("aux_hidden_states", "target_probs", "position_mask", "
 
 
 def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callable[[Tensors], Tensors]:
-    """NeMo's ``/generate``: the draft-vocab batch of its HF backend, input ids and loss mask shifted."""
+    """NeMo's ``/generate``: the draft-vocab batch of its HF backend, input ids and loss mask shifted.
+
+    Full [B,S,V] logits exist one chunk of tokens at a time (the ``probs`` format, shifted afterwards), so
+    peak memory stays near the [B,S,Vd] answer. Only a model whose head is not a plain GEMM (softcap,
+    logit scale) takes the full-logits path.
+    """
 
     def compute(inputs: Tensors) -> Tensors:
         input_ids = inputs["input_ids"].to(target.device)
         attention_mask = inputs["attention_mask"].to(target.device)
         loss_mask = inputs["loss_mask"].to(target.device)
-        logits, aux = target.runner.forward_eagle3(input_ids, attention_mask)
-        batch = build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping=mapping)
+        runner = target.runner
+        try:
+            final_hidden, aux = runner.forward_hidden(input_ids, attention_mask)
+        except ForwardHiddenUnsupported:
+            logits, aux = runner.forward_eagle3(input_ids, attention_mask)
+            batch = build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping=mapping)
+        else:
+            probs = formats.supervision("probs", final_hidden, aux, runner.lm_head_weight(), mapping=mapping)
+            batch = formats.batch_from_supervision(
+                "probs", probs, input_ids, attention_mask, loss_mask, mapping=mapping
+            )
         return {name: getattr(batch, name).cpu() for name in NEMO_SUPERVISION_KEYS}
 
     return compute
