@@ -8,11 +8,19 @@ from typing import Any
 
 import torch
 
-from eagle3_target.runners.base import ModelInfo, TargetRunner, check_inputs, model_info
+from eagle3_target.runners.base import InvalidInput, ModelInfo, TargetRunner, check_inputs, model_info
 
 ENGINES = ("hf", "vllm")
 
-__all__ = ["ENGINES", "ModelInfo", "TargetRunner", "check_inputs", "load_runner", "model_info"]
+__all__ = [
+    "ENGINES",
+    "InvalidInput",
+    "ModelInfo",
+    "TargetRunner",
+    "check_inputs",
+    "load_runner",
+    "model_info",
+]
 
 
 def load_runner(

@@ -14,6 +14,11 @@ import torch
 from torch import Tensor
 
 
+class InvalidInput(ValueError):
+    """A batch refused for what the caller sent (shape, dtype, token ids, padding, length). The server
+    answers it with 422; any other exception from a runner is a server fault (500)."""
+
+
 class ForwardHiddenUnsupported(ValueError):
     """`forward_hidden` refuses: this model's logits are not lm_head(final_norm(h_L)) (a softcap, a logit
     scale), so only `forward_eagle3` gives them exactly. Callers that can take full logits fall back."""
@@ -97,23 +102,25 @@ def check_inputs(input_ids: Tensor, attention_mask: Tensor | None, vocab_size: i
     real) because the runners compute positions from 0 and NeMo's data pipeline pads on the right.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty [B, S] tensor, got shape {tuple(input_ids.shape)}")
+        raise InvalidInput(f"input_ids must be a non-empty [B, S] tensor, got shape {tuple(input_ids.shape)}")
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integers, got {input_ids.dtype}")
+        raise InvalidInput(f"input_ids must be integers, got {input_ids.dtype}")
     ids = input_ids.long()
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise InvalidInput(
+            f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
     if attention_mask is None:
         return ids, torch.ones_like(ids)
     if tuple(attention_mask.shape) != tuple(ids.shape):
-        raise ValueError(
+        raise InvalidInput(
             f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(ids.shape)}"
         )
     if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-        raise ValueError(f"attention_mask must be integer or bool, got {attention_mask.dtype}")
+        raise InvalidInput(f"attention_mask must be integer or bool, got {attention_mask.dtype}")
     mask = attention_mask.long()
     if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError("attention_mask must hold only 0 and 1")
+        raise InvalidInput("attention_mask must hold only 0 and 1")
     if bool((mask[:, 0] == 0).any()) or bool((mask[:, 1:] > mask[:, :-1]).any()):
-        raise ValueError("rows must be right-padded: attention_mask 1...1 0...0 with a real first token")
+        raise InvalidInput("rows must be right-padded: attention_mask 1...1 0...0 with a real first token")
     return ids, mask

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import check_inputs, text_config
+from eagle3_target.runners.base import InvalidInput, check_inputs, text_config
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
 from eagle3_target.runners.hf import parse_dtype
 
@@ -486,7 +486,7 @@ class VLLMRunner:
         ids, mask = check_inputs(input_ids, attention_mask, self._config.vocab_size)
         lengths = mask.sum(dim=1).tolist()
         if max(lengths) > self.max_prompt_len:
-            raise ValueError(
+            raise InvalidInput(
                 f"a row has {max(lengths)} tokens; the vLLM engine takes at most {self.max_prompt_len} "
                 "(max_model_len - 1: the generated token needs one slot)"
             )

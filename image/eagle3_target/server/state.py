@@ -7,6 +7,7 @@ import logging
 import threading
 
 from eagle3_target.contract import VocabMapping
+from eagle3_target.runners import InvalidInput
 from eagle3_target.server.batching import EngineJob, EngineWorker, Tensors
 from eagle3_target.server.errors import NotReady, Unprocessable
 from eagle3_target.server.metrics import ServerMetrics
@@ -67,10 +68,11 @@ class ServerState:
     async def run_on_engine(self, job: EngineJob) -> Tensors:
         """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result.
 
-        Runners raise ValueError for input they refuse (the server validates first, but an engine can be
-        stricter), so that becomes a 422 rather than a 500.
+        The server validates first, but an engine can be stricter (vLLM's row length): what a runner
+        refuses as ``InvalidInput`` is the client's fault (422). Any other exception is the server's and
+        reaches the app's catch-all handler (500, traceback logged).
         """
         try:
             return await asyncio.wrap_future(self.worker.submit(job))
-        except ValueError as exc:
+        except InvalidInput as exc:
             raise Unprocessable(f"the engine refused the batch: {exc}") from exc

@@ -16,7 +16,7 @@ from torch import Tensor
 import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
-from eagle3_target.runners import TargetRunner, check_inputs, load_runner, model_info
+from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint
@@ -160,7 +160,7 @@ def validate_token_batch(
         for name in (*required, *optional):
             if name in tensors and name not in checked:
                 checked[name] = check_mask(name, tensors[name], ids)
-    except ValueError as exc:
+    except InvalidInput as exc:
         raise Unprocessable(str(exc)) from exc
     return checked
 
@@ -168,12 +168,12 @@ def validate_token_batch(
 def check_mask(name: str, mask: Tensor, input_ids: Tensor) -> Tensor:
     """A 0/1 mask shaped like input_ids, as int64."""
     if tuple(mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"{name} shape {tuple(mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        raise InvalidInput(f"{name} shape {tuple(mask.shape)} != input_ids {tuple(input_ids.shape)}")
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise ValueError(f"{name} must be integer or bool, got {mask.dtype}")
+        raise InvalidInput(f"{name} must be integer or bool, got {mask.dtype}")
     mask = mask.long()
     if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name} must hold only 0 and 1")
+        raise InvalidInput(f"{name} must hold only 0 and 1")
     return mask
 
 

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import struct
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
 from tests.eagle3_target.server.conftest import MAX_BATCH_TOKENS, MAX_MODEL_LEN
 from tests.eagle3_target.server.helpers import VOCAB, assert_error, draft_mapping, put_mapping, token_batch
+from tests.eagle3_target.server.server_process import serve_in_thread
 
 TOKEN_BODY_LIMIT = ServerSettings(model="unused", max_batch_tokens=MAX_BATCH_TOKENS).token_body_limit
 
@@ -177,3 +183,37 @@ def test_mapping_registered_after_a_404_works(server):
     ok = httpx.post(server.url + "/v1/supervision", params=request, content=body(input_ids=ids(1, 4)))
     assert ok.status_code == 200
     assert tensor_wire.decode(ok.content)[0]["draft_logits"].shape == (1, 4, 32)
+
+
+class BuggyRunner:
+    """The real runner with an internal bug: its forward raises a ValueError the client did not cause."""
+
+    def __init__(self, runner: object) -> None:
+        self._runner = runner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def forward_hidden(self, *_args: object) -> None:
+        raise ValueError("internal bug: tensors of mismatched shapes")
+
+
+def test_an_internal_error_is_a_json_500_and_the_server_keeps_serving(
+    server_model_dir: Path, caplog: pytest.LogCaptureFixture
+):
+    app = create_app(ServerSettings(model=str(server_model_dir), engine="hf", dtype="float32"))
+    state = app.state.server
+    with serve_in_thread(app) as url:
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline, state.load_error
+            time.sleep(0.1)
+        healthy = state.target
+        state.target = dataclasses.replace(healthy, runner=BuggyRunner(healthy.runner))
+        with caplog.at_level(logging.ERROR, logger="eagle3_target.server.errors"):
+            response = httpx.post(url + "/v1/supervision", content=body(input_ids=ids(1, 4)))
+        error = assert_error(response, 500, "internal_error")
+        assert "internal bug" in error["message"]
+        assert any(r.exc_info and "unhandled error" in r.getMessage() for r in caplog.records)
+        state.target = healthy
+        assert_still_serving(url)

@@ -3,18 +3,21 @@ and the engine worker's queue and coalescing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from eagle3_target.runners import InvalidInput
 from eagle3_target.server.auth import bearer_matches, read_token_file
 from eagle3_target.server.batching import EngineJob, EngineWorker, run_coalesced
-from eagle3_target.server.errors import NotFound, QueueFull
+from eagle3_target.server.errors import NotFound, QueueFull, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint, sample_offsets, weight_file_digest
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.request_tracking import pick_request_id
 from eagle3_target.server.settings import ServerSettings, parse_engine_arg
+from eagle3_target.server.state import ServerState
 from eagle3_target.server.vocab_store import LruDict, NemoMappingBindings
 
 
@@ -262,3 +265,25 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
     finally:
         release.set()
         worker.stop()
+
+
+def test_only_invalid_input_from_the_engine_is_a_client_error():
+    """A runner's InvalidInput becomes 422; any other ValueError is a server bug and stays one (500)."""
+    state = ServerState(ServerSettings(model="unused"))
+
+    def raising(error: Exception) -> EngineJob:
+        def compute(_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            raise error
+
+        return EngineJob(
+            batch_key="k", inputs={"input_ids": torch.zeros(1, 2, dtype=torch.int64)}, compute=compute
+        )
+
+    state.worker.start()
+    try:
+        with pytest.raises(Unprocessable, match="row has 9 tokens"):
+            asyncio.run(state.run_on_engine(raising(InvalidInput("a row has 9 tokens"))))
+        with pytest.raises(ValueError, match="shape mismatch"):
+            asyncio.run(state.run_on_engine(raising(ValueError("internal shape mismatch"))))
+    finally:
+        state.worker.stop()
