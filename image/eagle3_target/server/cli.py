@@ -59,6 +59,7 @@ def serve(
     import uvicorn
 
     from eagle3_target.server.app import create_app
+    from eagle3_target.server.http_protocol import JsonErrorHTTPProtocol
     from eagle3_target.server.logs import configure_json_logging
     from eagle3_target.server.settings import ServerSettings, parse_engine_args
 
@@ -89,4 +90,5 @@ def serve(
         port=settings.port,
         log_config=None,
         timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        http=JsonErrorHTTPProtocol,
     )

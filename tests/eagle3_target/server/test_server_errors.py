@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import socket
 import struct
 import time
 from pathlib import Path
@@ -114,11 +116,31 @@ def test_streamed_oversize_body_is_cut_off(server):
     assert_still_serving(server.url)
 
 
-def test_invalid_content_length(server):
-    with httpx.Client() as client:
-        request = client.build_request("POST", server.url + "/v1/supervision", content=b"abc")
-        request.headers["Content-Length"] = "3"
-        assert client.send(request).status_code == 400  # "abc" is no safetensors body
+def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes no HTTP client library would send; read the answer until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, payload = received.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, payload
+
+
+@pytest.mark.parametrize("declared", ["abc", "-1", "12abc", "1e3"])
+def test_invalid_content_length(server, declared):
+    request = (
+        f"POST /v1/supervision HTTP/1.1\r\nHost: localhost\r\nContent-Length: {declared}\r\n\r\nabc"
+    ).encode()
+    status, headers, payload = raw_exchange(server.url, request)
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(payload)
+    error = json.loads(payload)["error"]
+    assert error["type"] == "bad_request" and error["message"]
     assert_still_serving(server.url)
 
 
