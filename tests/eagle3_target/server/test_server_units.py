@@ -229,8 +229,10 @@ def test_worker_keeps_keys_and_lengths_apart_and_survives_errors():
 
 
 def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
-    worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=ServerMetrics())
+    metrics = ServerMetrics()
+    worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=metrics)
     running, release = threading.Event(), threading.Event()
+    rows_per_call: list[int] = []
 
     def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         running.set()
@@ -238,6 +240,7 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
         return double(inputs)
 
     def refuses_negative_ids(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows_per_call.append(int(inputs["input_ids"].shape[0]))
         if bool((inputs["input_ids"] < 0).any()):
             raise ValueError("negative token id")
         return double(inputs)
@@ -262,6 +265,11 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
             futures[1].result(timeout=30)
         for j, future in zip(good, (futures[0], futures[2]), strict=True):
             assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+        # The three really shared one engine call (one 9-token batch after the 1-token blocker), and
+        # only its failure sent them back one at a time.
+        assert rows_per_call == [3, 1, 1, 1]
+        assert metrics.registry.get_sample_value("eagle3_batch_tokens_count") == 2
+        assert metrics.registry.get_sample_value("eagle3_batch_tokens_sum") == 1 + 9
     finally:
         release.set()
         worker.stop()
