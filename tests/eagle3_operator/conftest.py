@@ -7,6 +7,7 @@ The operator serves only namespaces named `e3op-*`, so it never touches resource
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import kubernetes
 import pytest
 
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.harness import OperatorProcess, ServerFarm
+from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
@@ -39,10 +40,43 @@ def operator(
     )
     process.start()
     try:
+        _wait_until_new_namespaces_are_served(cluster)
         yield process
     finally:
         process.stop()
         print(f"operator logs: {process.log_dir}")
+
+
+def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
+    """kopf misses a namespace created while its namespace watch is still starting (the watch lists again and
+    drops what that listing returns), so the first test's namespace could go unserved until it is deleted.
+    Wait until a namespace created now is served: a target in it gets a status (an unreachable external
+    endpoint: one refused connection, then a status write)."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+    for _ in range(5):
+        name = f"{NAMESPACE_PREFIX}warmup-{secrets.token_hex(3)}"
+        core.create_namespace(
+            kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name))
+        )
+        try:
+            target = {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "Eagle3Target",
+                "metadata": {"name": "warmup"},
+                "spec": {"model": {"name": "warmup"}, "endpoint": {"url": f"http://127.0.0.1:{free_port()}"}},
+            }
+            custom.create_namespaced_custom_object(GROUP, VERSION, name, PLURAL, target)
+            read = functools.partial(
+                custom.get_namespaced_custom_object, GROUP, VERSION, name, PLURAL, "warmup"
+            )
+            wait_for(lambda read=read: read().get("status"), "the warm-up target's status", timeout=15)
+            return
+        except AssertionError:
+            continue  # created in the window: try a new namespace
+        finally:
+            core.delete_namespace(name)
+    raise AssertionError("the operator does not serve namespaces created after it started")
 
 
 @pytest.fixture
