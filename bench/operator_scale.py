@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.operator_scale [--targets 200] [--mode external|pods] [--idle-seconds 60]
 
 Runs against $E3T_KUBECONFIG, else the plane `python -m tests.cluster up` left running, else a private one.
-Mode `external` (default): every target points at one real target server (spec.endpoint.url), so the
-figures are the operator's own cost. Mode `pods`: every target runs one kwok pod (engine hf, no GPU) and
-one real server app answers at every pod's IP. Prints one JSON object:
+Mode `pods` (default): every target runs one kwok pod (engine hf, no GPU) and one real server app answers
+at every pod's IP, the whole create → Deployment → pod → probe → Ready loop. Mode `external`: every target
+points at one real target server (spec.endpoint.url), so the figures are the operator's own cost.
+Prints one JSON object:
 - all_ready_seconds: first create → last target Ready (Ready=True for its current generation);
 - create_to_ready_p50/p95_seconds: per target;
 - operator_peak_rss_mib: the operator process's VmHWM;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -127,6 +129,7 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
         cleanup.append(lambda: core.delete_namespace(namespace))
 
         work = Path(tempfile.mkdtemp(prefix="e3t-bench-"))
+        cleanup.append(lambda: shutil.rmtree(work, ignore_errors=True))
         farm = ServerFarm(write_tiny_model(work / "tiny-llama"))
         cleanup.append(farm.close)
         url = f"http://{farm.primary[0]}:{farm.primary[1]}"
@@ -193,7 +196,7 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", type=int, default=200)
-    parser.add_argument("--mode", choices=("external", "pods"), default="external")
+    parser.add_argument("--mode", choices=("external", "pods"), default="pods")
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
     args = parser.parse_args()
