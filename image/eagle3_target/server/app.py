@@ -33,7 +33,7 @@ WEIGHTS = ("input_embeddings", "lm_head", "final_norm")
 _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-def decode_safetensors(body: bytes) -> Tensors:
+def decode_safetensors(body: bytearray) -> Tensors:
     """Request tensors from a safetensors body; 400 when it is not one."""
     try:
         tensors, _metadata = tensor_wire.decode(body)

@@ -30,7 +30,7 @@ OCTET_STREAM = "application/octet-stream"
 OK = {"status": "ok"}
 
 
-def decode_nemo_wire(body: bytes, limit: int) -> Tensors:
+def decode_nemo_wire(body: bytearray, limit: int) -> Tensors:
     """Tensors from a NeMo wire body; 400 when malformed, 422 when an entry is None."""
     try:
         tensors = nemo_wire.decode(body, max_total_bytes=limit)

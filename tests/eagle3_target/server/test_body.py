@@ -1,0 +1,46 @@
+"""Reading request bodies: the byte cap, and a buffer the wire decoders can view without copying."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from eagle3_target.server.body import read_body_capped
+from eagle3_target.server.errors import PayloadTooLarge
+from eagle3_target.wire import tensors as tensor_wire
+from starlette.requests import Request
+from starlette.types import Message
+
+
+def request_streaming(chunks: list[bytes], content_length: int | None = None) -> Request:
+    """A Starlette request whose ASGI receive hands out ``chunks`` as the server would."""
+    messages: list[Message] = [
+        {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+        for i, chunk in enumerate(chunks)
+    ]
+    headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+
+def test_the_body_is_decoded_in_place_without_another_copy():
+    payload = tensor_wire.encode({"input_ids": torch.arange(12, dtype=torch.int64).reshape(3, 4)})
+    chunks = [payload[:50], payload[50:]]
+    body = asyncio.run(read_body_capped(request_streaming(chunks, len(payload)), limit=len(payload)))
+    assert isinstance(body, bytearray) and body == payload
+    tensors, _ = tensor_wire.decode(body)
+    assert int(tensors["input_ids"][-1, -1]) == 11
+    # A view, not a copy: changing the body's last byte changes the decoded tensor.
+    body[-8:] = (99).to_bytes(8, "little")
+    assert int(tensors["input_ids"][-1, -1]) == 99
+
+
+def test_the_cap_holds_for_declared_and_streamed_lengths():
+    with pytest.raises(PayloadTooLarge, match="101 bytes"):
+        asyncio.run(read_body_capped(request_streaming([b"x" * 101], 101), limit=100))
+    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 100 bytes"):
+        asyncio.run(read_body_capped(request_streaming([b"x" * 60, b"x" * 60]), limit=100))
