@@ -4,6 +4,11 @@ High availability is one replica with a Recreate strategy (the Helm chart's defa
 kopf's peering is not leader election (operators of equal priority both pause), and a restarted operator
 converges on its own because every pass is level-based. `--peering NAME` is there for clusters that run a
 second, lower-priority standby; it needs the kopf peering CRD and RBAC for it.
+
+Exact `--namespace` names are served as given, without watching Namespace objects (kopf's scanning is off,
+so no cluster-wide reads are needed and the Eagle3Target CRD must exist before the operator starts). A
+glob (`team-*`) makes kopf watch Namespaces, and kopf misses a matching namespace created while that watch
+(re)lists, until the namespace changes or the operator restarts.
 """
 
 import logging
@@ -14,7 +19,7 @@ import prometheus_client
 import typer
 
 from eagle3_operator import handlers
-from eagle3_operator.settings import OperatorConfig
+from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning
 
 app = typer.Typer(add_completion=False)
 
@@ -23,7 +28,12 @@ app = typer.Typer(add_completion=False)
 def run(
     namespace: Annotated[
         list[str] | None,
-        typer.Option("--namespace", "-n", help="namespace to serve (repeatable; globs allowed)"),
+        typer.Option(
+            "--namespace",
+            "-n",
+            help="namespace to serve (repeatable); a glob (team-*) makes kopf watch Namespaces, and a"
+            " matching namespace created while that watch re-lists goes unserved until it changes",
+        ),
     ] = None,
     all_namespaces: Annotated[
         bool, typer.Option("--all-namespaces", "-A", help="serve every namespace (cluster-wide)")
@@ -56,7 +66,7 @@ def run(
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if metrics_port:
         prometheus_client.start_http_server(metrics_port, addr=metrics_address)
-    config = OperatorConfig(reprobe_seconds=reprobe_seconds, api_timeout_seconds=api_timeout_seconds)
+    config = operator_config(namespace or [], all_namespaces, reprobe_seconds, api_timeout_seconds)
     kopf.run(
         registry=handlers.registry,
         clusterwide=all_namespaces,
@@ -65,6 +75,17 @@ def run(
         peering_name=peering,
         liveness_endpoint=liveness or None,
         memo=kopf.Memo(config=config),
+    )
+
+
+def operator_config(
+    namespaces: list[str], all_namespaces: bool, reprobe_seconds: float, api_timeout_seconds: float
+) -> OperatorConfig:
+    """The config for this scope: exact namespaces turn kopf's Namespace and CRD watches off."""
+    return OperatorConfig(
+        reprobe_seconds=reprobe_seconds,
+        api_timeout_seconds=api_timeout_seconds,
+        scan_cluster=needs_cluster_scanning(namespaces, all_namespaces),
     )
 
 

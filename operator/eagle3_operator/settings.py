@@ -1,6 +1,7 @@
 """The operator's tunables and how they map onto kopf's settings."""
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import kopf
@@ -19,6 +20,8 @@ CHILD_RESOURCES = {
     "poddisruptionbudgets": ("policy", "v1", "poddisruptionbudgets"),
 }
 POD_RESOURCE = ("v1", "pods")
+# The characters that make a kopf namespace pattern more than one exact name: globs, negation, lists.
+NAMESPACE_PATTERN_CHARACTERS = frozenset("*?!,")
 
 
 @dataclass(frozen=True)
@@ -26,9 +29,23 @@ class OperatorConfig:
     reprobe_seconds: float = 15.0  # how often targets with pods are re-probed for readiness changes
     api_timeout_seconds: float = 15.0  # one API request, reconciler and kopf alike
     watch_timeout_seconds: int = 300  # a watch request is renewed at least this often (the API wants an int)
+    # kopf's cluster scanning: watch Namespaces (to match patterns) and CRDs (to notice new kinds). Off for a
+    # list of exact namespaces, which kopf then serves as given, needing no cluster-wide reads.
+    scan_cluster: bool = True
+
+
+def needs_cluster_scanning(namespaces: Iterable[str], all_namespaces: bool) -> bool:
+    """Whether kopf must watch Namespaces and CRDs: cluster-wide (as ever), or to match namespace patterns.
+
+    kopf's namespace watch drops namespaces created between its initial listing and its watch (it lists
+    again and ignores what that listing returns), so a matching namespace created then stays unserved
+    until it changes or the operator restarts. Exact names need no watch; patterns do, with that gap.
+    """
+    return all_namespaces or any(NAMESPACE_PATTERN_CHARACTERS & set(namespace) for namespace in namespaces)
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    settings.scanning.disabled = not config.scan_cluster
     settings.networking.request_timeout = config.api_timeout_seconds
     settings.networking.connect_timeout = min(10.0, config.api_timeout_seconds)
     settings.watching.server_timeout = config.watch_timeout_seconds

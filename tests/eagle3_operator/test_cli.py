@@ -1,7 +1,10 @@
-"""The `eagle3-operator` command line refuses an ambiguous scope before it touches any cluster."""
+"""The `eagle3-operator` command line refuses an ambiguous scope before it touches any cluster, and picks
+kopf's settings for the scope it is given."""
 
+import kopf
 import pytest
-from eagle3_operator.cli import app
+from eagle3_operator.cli import app, operator_config
+from eagle3_operator.settings import configure
 from typer.testing import CliRunner
 
 
@@ -24,3 +27,25 @@ def test_help_names_the_operational_flags():
         "--peering",
     ):
         assert flag in result.output
+
+
+@pytest.mark.parametrize(
+    ("namespaces", "all_namespaces", "scanning_disabled"),
+    [
+        (["team-a"], False, True),
+        (["team-a", "team-b"], False, True),
+        (["team-*"], False, False),
+        (["team-a", "ml-?"], False, False),
+        (["!kube-system"], False, False),
+        (["team-a,team-b"], False, False),
+        ([], True, False),
+    ],
+)
+def test_exact_namespaces_turn_kopfs_cluster_scanning_off(namespaces, all_namespaces, scanning_disabled):
+    """Exact names are served as given (no Namespace watch to miss new ones); patterns and cluster-wide
+    still need kopf to watch Namespaces and CRDs."""
+    config = operator_config(namespaces, all_namespaces, reprobe_seconds=1.0, api_timeout_seconds=5.0)
+    settings = kopf.OperatorSettings()
+    configure(settings, config)
+    assert settings.scanning.disabled is scanning_disabled
+    assert settings.networking.request_timeout == 5.0
