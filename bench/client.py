@@ -12,54 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import torch
-from eagle3_target.client import TargetClient
-from eagle3_target.contract import VocabMapping
-from eagle3_target.tiny import write_tiny_model
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/client.py` as well as `python -m bench.client`
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from eagle3_target.client import TargetClient  # noqa: E402
+from eagle3_target.contract import VocabMapping  # noqa: E402
+from eagle3_target.tiny import write_tiny_model  # noqa: E402
+
+from tests.eagle3_target.server.server_process import start_server  # noqa: E402
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 128, 4096, 1024, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
-    exe = shutil.which("eagle3-target", path=str(Path(sys.executable).parent))
-    argv = [exe] if exe else [sys.executable, "-m", "eagle3_target.cli"]
-    args = ["serve", "--model", str(model), "--engine", "hf", "--dtype", "bfloat16"]
-    args += ["--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.Popen([*argv, *args], stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-        try:
-            ready = httpx.get(url + "/readyz", timeout=5)
-        except httpx.TransportError:
-            ready = None
-        if ready is not None and ready.status_code == 200:
-            return
-        if ready is not None and "failed to load" in ready.text:
-            raise RuntimeError(ready.text)
-        time.sleep(0.2)
-    raise TimeoutError("server never became ready")
 
 
 def measure(url: str, batches: list, fmt: str, mapping: VocabMapping, depth: int) -> dict[str, float]:
@@ -103,11 +72,9 @@ def main() -> None:
         model = write_tiny_model(
             Path(tmp) / "model", num_layers=LAYERS, hidden_size=HIDDEN, vocab_size=VOCAB, dtype="bfloat16"
         )
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(model, port, Path(tmp) / "server.log")
+        server = start_server(Path(tmp), ["--model", str(model), "--engine", "hf", "--dtype", "bfloat16"])
+        url = server.url
         try:
-            wait_ready(url, server)
             results: dict[str, dict] = {}
             for fmt in ("hidden", "probs"):
                 results[fmt] = {
@@ -121,8 +88,7 @@ def main() -> None:
                 from_hidden.position_mask, from_probs.position_mask
             )
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.stop()
     seq = f"prefetch_depth_{args.depth}"
     print(
         json.dumps(

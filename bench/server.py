@@ -19,23 +19,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import httpx
-import torch
-from eagle3_target import formats
-from eagle3_target.contract import VocabMapping
-from eagle3_target.runners import load_runner
-from eagle3_target.tiny import write_tiny_model
-from eagle3_target.wire import tensors as tensor_wire
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/server.py` as well as `python -m bench.server`
+    sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from eagle3_target import formats  # noqa: E402
+from eagle3_target.contract import VocabMapping  # noqa: E402
+from eagle3_target.runners import load_runner  # noqa: E402
+from eagle3_target.tiny import write_tiny_model  # noqa: E402
+from eagle3_target.wire import tensors as tensor_wire  # noqa: E402
+
+from tests.eagle3_target.server.server_process import start_server  # noqa: E402
 
 FULL = {
     "hidden_size": 1024,
@@ -47,37 +49,6 @@ FULL = {
 }
 # 8 layers is the shallowest depth the default aux-layer recipe accepts.
 QUICK = {"hidden_size": 256, "num_layers": 8, "vocab_size": 8000, "batch": 2, "seq": 128, "draft_vocab": 2048}
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, port: int, device: str, log_path: Path) -> subprocess.Popen:
-    exe = shutil.which("eagle3-target", path=str(Path(sys.executable).parent))
-    command = [exe] if exe else [sys.executable, "-m", "eagle3_target.cli"]
-    env = dict(os.environ) | ({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})
-    args = ["serve", "--model", str(model_dir), "--engine", "hf", "--dtype", "float32"]
-    args += ["--host", LOOPBACK, "--port", str(port), "--max-batch-tokens", "8192", "--log-level", "WARNING"]
-    with log_path.open("wb") as log:
-        return subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def wait_ready(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server never became ready")
 
 
 def inprocess_rate(runner, fmt: str, batches, mapping: VocabMapping | None, reps: int) -> float:
@@ -157,10 +128,11 @@ def main() -> None:
             hidden_size=shape["hidden_size"],
             vocab_size=shape["vocab_size"],
         )
-        port = free_port()
-        url = f"http://{LOOPBACK}:{port}"
-        log_path = Path(tmp) / "server.log"
-        process = start_server(model_dir, port, args.device, log_path)
+        serve_args = ["--model", str(model_dir), "--engine", "hf", "--dtype", "float32"]
+        serve_args += ["--max-batch-tokens", "8192", "--log-level", "WARNING"]
+        gpus = args.device == "cuda"
+        server = start_server(Path(tmp), serve_args, wait_ready=False, gpus=gpus)
+        url = server.url
         try:
             runner = load_runner("hf", model_dir, dtype="float32", device=args.device)
             vocab = shape["vocab_size"]
@@ -168,7 +140,7 @@ def main() -> None:
             batches = [torch.randint(0, vocab, (shape["batch"], shape["seq"])) for _ in range(4)]
             bodies = [tensor_wire.encode({"input_ids": b}) for b in batches]
             tokens = batches[0].numel()
-            wait_ready(url, process, log_path)
+            server.wait_until("/readyz", 200, timeout=600)
             put = httpx.put(
                 url + "/v1/vocab-mappings/bench",
                 content=tensor_wire.encode({"selected_token_ids": mapping.selected_token_ids}),
@@ -193,8 +165,7 @@ def main() -> None:
                     "bytes_per_token": round(size / tokens, 1),
                 }
         finally:
-            process.terminate()
-            process.wait(timeout=60)
+            server.stop()
     print(
         json.dumps(
             {

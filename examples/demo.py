@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes
@@ -35,6 +33,7 @@ from eagle3_target.tiny import write_tiny_model
 
 from tests.cluster import plane
 from tests.cluster.access import Cluster
+from tests.cluster.waiting import direct_opener, eventually, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -50,22 +49,8 @@ def step(message: str) -> None:
     print(f"\n==> [{time.monotonic() - _started:5.1f}s] {message}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def venv_script(name: str) -> str:
     return str(Path(sys.executable).parent / name)
-
-
-def wait_until(check: Callable[[], object], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.3)
 
 
 @contextlib.contextmanager
@@ -193,7 +178,7 @@ def main() -> None:
         ]  # fmt: skip
         env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "NO_PROXY": "*"}
         operator = stack.enter_context(process(operator_argv, work / "operator.log", env))
-        wait_until(lambda: _answers(f"http://127.0.0.1:{liveness}/healthz", operator), "the operator", 60)
+        eventually(lambda: _answers(f"http://127.0.0.1:{liveness}/healthz", operator), "the operator", 60)
         print(f"    operator up (log {work / 'operator.log'})")
 
         step("writing a tiny random-weight Llama-style model where the quickstart's hostPath points")
@@ -205,14 +190,14 @@ def main() -> None:
 
         step("the operator renders a Deployment; each scheduled pod's server starts at the pod's IP")
         servers = PodServers(cluster, stack, work)
-        wait_until(lambda: (servers.sync(), servers.serving)[1], "the target's pods", 120)
+        eventually(lambda: (servers.sync(), servers.serving)[1], "the target's pods", 120)
 
         step(f"kubectl wait --for=condition=Ready e3t/{TARGET}")
         waited = subprocess.Popen(
             [str(cluster.kubectl_path), "--kubeconfig", str(cluster.kubeconfig), "-n", TARGET_NAMESPACE,
              "wait", "--for=condition=Ready", f"e3t/{TARGET}", "--timeout=180s"],
         )  # fmt: skip
-        wait_until(lambda: (servers.sync(), waited.poll() is not None)[1], "Ready", 200)
+        eventually(lambda: (servers.sync(), waited.poll() is not None)[1], "Ready", 200)
         if waited.returncode != 0:
             raise SystemExit(f"the target did not become Ready; see {work}/operator.log and the server logs")
         print(cluster.kubectl("get", "e3t", "-n", TARGET_NAMESPACE, "-o", "wide").stdout)
@@ -225,10 +210,8 @@ def main() -> None:
 def _answers(url: str, child: subprocess.Popen[bytes]) -> bool:
     if child.poll() is not None:
         raise SystemExit(f"exited with code {child.returncode}; see its log")
-    with contextlib.suppress(OSError):
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(url, timeout=2) as answer:
-            return answer.status == 200
+    with contextlib.suppress(OSError), direct_opener().open(url, timeout=2) as answer:
+        return answer.status == 200
     return False
 
 

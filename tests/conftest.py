@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kubernetes
@@ -54,14 +54,30 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A namespace named after the test, deleted afterwards (its pods go with it)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"{slug}-{secrets.token_hex(3)}"
+def make_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Callable[[str], str]]:
+    """Creates namespaces named `<prefix><test name>-<random>`; all are deleted afterwards (their pods go
+    with them)."""
     core = kubernetes.client.CoreV1Api(cluster.api_client)
-    core.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name)))
-    yield name
-    core.delete_namespace(name)
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    created: list[str] = []
+
+    def make(prefix: str = "") -> str:
+        name = f"{prefix}{slug}-{secrets.token_hex(3)}"
+        core.create_namespace(
+            kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name))
+        )
+        created.append(name)
+        return name
+
+    yield make
+    for name in created:
+        core.delete_namespace(name)
+
+
+@pytest.fixture
+def namespace(make_namespace: Callable[[str], str]) -> str:
+    """A namespace named after the test, deleted afterwards."""
+    return make_namespace("")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -8,9 +8,8 @@ The operator serves only namespaces named `e3op-*`, so it never touches resource
 from __future__ import annotations
 
 import functools
-import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kubernetes
@@ -72,7 +71,7 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
             )
             wait_for(lambda read=read: read().get("status"), "the warm-up target's status", timeout=15)
             return
-        except AssertionError:
+        except TimeoutError:
             continue  # created in the window: try a new namespace
         finally:
             core.delete_namespace(name)
@@ -80,14 +79,9 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
 
 
 @pytest.fixture
-def op_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+def op_namespace(make_namespace: Callable[[str], str]) -> str:
     """A fresh namespace the test operator serves (named e3op-…), deleted afterwards."""
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:30].strip("-")
-    name = f"{NAMESPACE_PREFIX}{slug}-{secrets.token_hex(3)}"
-    core = kubernetes.client.CoreV1Api(cluster.api_client)
-    core.create_namespace(kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name)))
-    yield name
-    core.delete_namespace(name)
+    return make_namespace(NAMESPACE_PREFIX)
 
 
 @pytest.fixture(scope="session")

@@ -8,45 +8,27 @@ per socket; a socket per pod IP:port is exactly what a server process inside tha
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import kubernetes
 import uvicorn
 
 from tests.cluster.processes import kill_when_parent_dies
+from tests.cluster.waiting import LOOPBACK, eventually, free_port
 
-LOOPBACK = "127.0.0.1"
-T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout: float = 90.0, interval: float = 0.3) -> T:
-    """Poll until `check` returns something truthy; fail naming `what` and the last value seen."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+# The operator tests wait longer by default: a reconcile may sit out a retry backoff first.
+wait_for = functools.partial(eventually, timeout=90.0, interval=0.3)
 
 
 class OperatorProcess:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 from eagle3_target.client.resolve import EAGLE3_TARGET
 
-from tests.eagle3_target.server.server_process import LOOPBACK, ServerProcess, serve_command
+from tests.eagle3_target.server.server_process import ServerProcess, launch
 
 TOKEN = "s3cret-token"
 REPO = Path(__file__).resolve().parents[3]
@@ -30,15 +28,7 @@ MODEL_STATUS = {
 
 def start_on_port(log_dir: Path, port: int, args: list[str]) -> ServerProcess:
     """A server on a fixed port (to restart "the same" endpoint); returns as soon as the process runs."""
-    log_path = log_dir / f"server-{port}-{len(list(log_dir.glob('*.log')))}.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [*serve_command(), "serve", "--host", LOOPBACK, "--port", str(port), *args],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        )
-    return ServerProcess(f"http://{LOOPBACK}:{port}", process, log_path)
+    return launch(log_dir / f"server-{port}-{len(list(log_dir.glob('*.log')))}.log", port, args)
 
 
 def token_batch(seed: int, batch: int = 2, seq: int = 16, vocab: int = 256) -> tuple[torch.Tensor, ...]:

@@ -1,11 +1,11 @@
-"""Runs ``eagle3-target serve`` as a real subprocess on a loopback port, for the server tests."""
+"""Runs ``eagle3-target serve`` as a real subprocess on a loopback port, for the server and client tests
+and the benchmarks."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +17,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+from tests.cluster.waiting import LOOPBACK, free_port
 
 
 def serve_command() -> list[str]:
@@ -64,13 +58,13 @@ class ServerProcess:
             self.process.wait()
 
 
-def start_server(
-    log_dir: Path, args: list[str], env: dict[str, str] | None = None, wait_ready: bool = True
+def launch(
+    log_path: Path, port: int, args: list[str], env: dict[str, str] | None = None, gpus: bool = False
 ) -> ServerProcess:
-    """Start a server on a free loopback port; by default wait until /readyz says 200."""
-    port = free_port()
-    log_path = log_dir / f"server-{port}.log"
-    full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    """Start a server on a loopback port, logging to `log_path`; returns as soon as the process runs. The
+    tests run on CPU, so it sees no GPU unless `gpus` (a benchmark on a GPU machine)."""
+    hide_gpus = {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
+    full_env = {**os.environ, **hide_gpus, **(env or {})}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             [*serve_command(), "serve", "--host", LOOPBACK, "--port", str(port), *args],
@@ -78,7 +72,19 @@ def start_server(
             stderr=subprocess.STDOUT,
             env=full_env,
         )
-    server = ServerProcess(f"http://{LOOPBACK}:{port}", process, log_path)
+    return ServerProcess(f"http://{LOOPBACK}:{port}", process, log_path)
+
+
+def start_server(
+    log_dir: Path,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    gpus: bool = False,
+) -> ServerProcess:
+    """Start a server on a free loopback port; by default wait until /readyz says 200."""
+    port = free_port()
+    server = launch(log_dir / f"server-{port}.log", port, args, env, gpus)
     try:
         server.wait_until("/healthz", 200)
         if wait_ready:
