@@ -45,7 +45,7 @@ def tensor_at(body: Tensor, start: int, nbytes: int, dtype: torch.dtype, shape: 
     if dtype == torch.bool and int(raw.max()) > 1:
         # A C++ bool holding another byte is undefined behaviour in torch's kernels: refuse it here.
         raise WireFormatError("a bool tensor holds bytes other than 0 and 1")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if raw.storage_offset() % itemsize or raw.data_ptr() % itemsize:
         raw = raw.clone()
     return raw.view(dtype).reshape(tuple(shape))

@@ -111,7 +111,7 @@ def decode(
             raise WireFormatError(f"entry {key!r}: unknown dtype code {code}")
         ndim = reader.unpack(_U8, f"the rank of {key!r}")
         shape = list(struct.unpack(f"<{ndim}q", reader.take(8 * ndim, f"the shape of {key!r}")))
-        expected = checked_nbytes(shape, torch.empty((), dtype=dtype).element_size(), f"entry {key!r}")
+        expected = checked_nbytes(shape, dtype.itemsize, f"entry {key!r}")
         nbytes = reader.unpack(_U64, f"the byte count of {key!r}")
         if nbytes != expected:
             raise WireFormatError(

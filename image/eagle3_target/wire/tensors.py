@@ -147,7 +147,7 @@ def decode(
             raise WireFormatError(
                 f"tensor {name!r}: data_offsets {offsets} outside the {data_size}-byte data"
             )
-        expected = checked_nbytes(shape, torch.empty((), dtype=dtype).element_size(), f"tensor {name!r}")
+        expected = checked_nbytes(shape, dtype.itemsize, f"tensor {name!r}")
         if end - begin != expected:
             raise WireFormatError(
                 f"tensor {name!r}: {end - begin} bytes for shape {shape}, expected {expected}"
