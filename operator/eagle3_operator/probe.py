@@ -53,12 +53,13 @@ class Prober:
     async def probe(self, base_url: str, token: str | None = None) -> ProbeResult:
         """`token` is the target's bearer token (spec.auth): /v1/info needs it, /readyz does not."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        base = base_url.rstrip("/")
         async with self._slots:
             try:
-                ready = await self._client.get(f"{base_url.rstrip('/')}/readyz")
+                ready = await self._client.get(f"{base}/readyz")
                 if ready.status_code != 200:
                     return ProbeResult(ready=False, error=f"/readyz answered {ready.status_code}")
-                info = await self._client.get(f"{base_url.rstrip('/')}/v1/info", headers=headers)
+                info = await self._client.get(f"{base}/v1/info", headers=headers)
             except httpx.TransportError as error:
                 return ProbeResult(ready=False, reachable=False, error=f"{type(error).__name__}: {error}")
             return _parse_info(info)
