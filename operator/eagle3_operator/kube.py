@@ -20,7 +20,7 @@ from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 
 from eagle3_operator import metrics
-from eagle3_operator.render import GROUP, KIND, PLURAL, VERSION
+from eagle3_operator.render import GROUP, KIND, PLURAL, POD_MONITOR_API_VERSION, VERSION
 
 FIELD_MANAGER = "eagle3-operator"
 REQUEST_TIMEOUT_SECONDS = 15.0
@@ -31,7 +31,7 @@ CHILD_PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("v1", "Service"): "services",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    (POD_MONITOR_API_VERSION, "PodMonitor"): "podmonitors",
 }
 
 

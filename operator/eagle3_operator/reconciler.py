@@ -24,6 +24,7 @@ from eagle3_operator.kube import KubeApi, KubeError, TargetRef
 from eagle3_operator.probe import Prober
 from eagle3_operator.render import (
     LABEL_INSTANCE,
+    POD_MONITOR_API_VERSION,
     build_children,
     label_selector,
     selector_labels,
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TargetKey = tuple[str, str]  # (namespace, name)
-POD_MONITOR_API = "monitoring.coreos.com/v1"
 SECRET_TTL_SECONDS = 60.0
 MAX_CONCURRENT_RECONCILES = 32
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -280,7 +280,7 @@ class Reconciler:
         """Apply what differs from the rendering, delete what should not exist; return what was applied."""
         namespace, name = key
         monitor_wanted = spec.monitoring.pod_monitor.enabled and not spec.external
-        monitors = monitor_wanted and await self._api.serves(POD_MONITOR_API)
+        monitors = monitor_wanted and await self._api.serves(POD_MONITOR_API_VERSION)
         desired = build_children(name, namespace, snapshot.uid, spec, pod_monitor_supported=monitors)
         observed = {
             (child.kind, child.name): child

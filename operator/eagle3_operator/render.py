@@ -18,6 +18,8 @@ VERSION = "v1alpha1"
 PLURAL = "eagle3targets"
 KIND = "Eagle3Target"
 API_VERSION = f"{GROUP}/{VERSION}"
+# prometheus-operator's API, served only where its CRDs are installed.
+POD_MONITOR_API_VERSION = "monitoring.coreos.com/v1"
 
 # Targets that name no image run the server release matching this operator.
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
@@ -371,7 +373,7 @@ def build_pod_monitor(
     metadata = _metadata(pod_monitor_name(name), name, namespace, owner)
     metadata["labels"] = {**monitor.labels, **metadata["labels"]}
     return {
-        "apiVersion": "monitoring.coreos.com/v1",
+        "apiVersion": POD_MONITOR_API_VERSION,
         "kind": "PodMonitor",
         "metadata": metadata,
         "spec": {
