@@ -21,6 +21,7 @@ from kubernetes.aio import config as aio_config
 
 from eagle3_operator import metrics
 from eagle3_operator.render import GROUP, KIND, PLURAL, POD_MONITOR_API_VERSION, VERSION
+from eagle3_operator.status import timestamp
 
 FIELD_MANAGER = "eagle3-operator"
 REQUEST_TIMEOUT_SECONDS = 15.0
@@ -103,7 +104,7 @@ class KubeApi:
 
     async def post_event(self, target: TargetRef, type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the target (what `kubectl describe e3t` shows)."""
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamp(datetime.now(UTC))
         event = {
             "apiVersion": "v1",
             "kind": "Event",
