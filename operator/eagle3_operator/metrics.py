@@ -4,6 +4,8 @@ Gauges describe the targets this operator instance reconciles; counters count it
 `eagle3_operator_status_writes_total` over an idle period shows the operator is not churning.
 """
 
+from collections.abc import Collection
+
 from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
@@ -30,8 +32,8 @@ PROBES = Counter("eagle3_operator_probes_total", "Target-server probes, by outco
 PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Suspended")
 
 
-def publish_targets(phases: dict[tuple[str, str], str], ready_endpoints: dict[tuple[str, str], int]) -> None:
-    """Set the gauges from the reconciler's view of every target it knows."""
+def publish_targets(targets: Collection[tuple[str, int]]) -> None:
+    """Set the gauges from the reconciler's view of every target it knows: (phase, ready endpoints) each."""
     for phase in PHASES:
-        TARGETS.labels(phase=phase).set(sum(1 for p in phases.values() if p == phase))
-    READY_ENDPOINTS.set(sum(ready_endpoints.values()))
+        TARGETS.labels(phase=phase).set(sum(1 for p, _ in targets if p == phase))
+    READY_ENDPOINTS.set(sum(ready for _, ready in targets))

@@ -162,8 +162,7 @@ class Reconciler:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_RECONCILES)
         self._secrets: dict[tuple[str, str, str], tuple[float, str]] = {}  # (ns, name, key) -> (when, token)
         self._instances: dict[TargetKey, str] = {}  # (namespace, pod instance label) -> target name
-        self._phases: dict[TargetKey, str] = {}
-        self._ready: dict[TargetKey, int] = {}
+        self._published: dict[TargetKey, tuple[str, int]] = {}  # what the target gauges count: phase, ready
 
     def request(self, key: TargetKey) -> None:
         """Ask for a pass over one target; cheap, never blocks, coalesces with a pass already queued."""
@@ -269,9 +268,8 @@ class Reconciler:
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
         memory.failures = 0
-        self._phases[key] = status["phase"]
-        self._ready[key] = status.get("readyReplicas") or 0
-        metrics.publish_targets(self._phases, self._ready)
+        self._published[key] = (status["phase"], status.get("readyReplicas") or 0)
+        metrics.publish_targets(self._published.values())
         return "ok" if observation.spec is not None else "invalid_spec"
 
     async def _sync_children(
@@ -390,9 +388,8 @@ class Reconciler:
     def _forget(self, key: TargetKey) -> None:
         self._memory.pop(key, None)
         self._instances.pop((key[0], selector_labels(key[1])[LABEL_INSTANCE]), None)
-        self._phases.pop(key, None)
-        self._ready.pop(key, None)
-        metrics.publish_targets(self._phases, self._ready)
+        self._published.pop(key, None)
+        metrics.publish_targets(self._published.values())
 
 
 def _only(values: Iterable[T] | None) -> T | None:
