@@ -36,6 +36,8 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 # What status says about the target, as opposed to what it observed (url, endpoints, counts, model).
 _JUDGEMENT_KEYS = ("observedGeneration", "phase", "conditions", "lastFailure")
 EPOCH = datetime.fromtimestamp(0, UTC)
+# The Degraded condition of every state that is not a failure.
+NOT_DEGRADED = ("False", "AsExpected", "nothing is failing")
 
 # Container waiting reasons that will not clear on their own, mapped to the reason the status reports.
 WAITING_FAILURES = {
@@ -309,7 +311,7 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> _State:
         conditions = {
             "Ready": ("False", "EndpointNotReady", f"{url}: {error}"),
             "Progressing": ("True", "Loading", f"{url} answers but is not ready: {error}"),
-            "Degraded": ("False", "AsExpected", "nothing is failing"),
+            "Degraded": NOT_DEGRADED,
         }
         return _State("Loading", conditions, fields, None)
     failure = Failure("EndpointUnreachable", f"{url}: {error}")
@@ -374,7 +376,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     conditions = {
         "Ready": ("False", reason, f"{progress}; {detail}"),
         "Progressing": ("True", reason, f"{progress}; {detail}"),
-        "Degraded": ("False", "AsExpected", "nothing is failing"),
+        "Degraded": NOT_DEGRADED,
     }
     phase = "Loading" if any(p.node for p in pods) else "Pending"
     return _State(phase, conditions, fields, None)
@@ -390,7 +392,7 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> _State
     conditions = {
         "Ready": ("False", "Suspended", "spec.suspend is true"),
         "Progressing": progressing,
-        "Degraded": ("False", "AsExpected", "nothing is failing"),
+        "Degraded": NOT_DEGRADED,
     }
     return _State("Suspended", conditions, fields, None)
 
@@ -444,7 +446,7 @@ def _quiet(ready: str, reason: str, message: str) -> dict[str, tuple[str, str, s
     return {
         "Ready": (ready, reason, message),
         "Progressing": ("False", reason, message),
-        "Degraded": ("False", "AsExpected", "nothing is failing"),
+        "Degraded": NOT_DEGRADED,
     }
 
 
