@@ -306,7 +306,7 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> _State:
         )
     if ready:
         return _State("Ready", _quiet("True", "EndpointReady", f"{url} is ready"), fields, None)
-    error = probe.error if probe and probe.error else "not probed yet"
+    error = _probe_error(probe)
     if probe is not None and probe.reachable:
         conditions = {
             "Ready": ("False", "EndpointNotReady", f"{url}: {error}"),
@@ -371,7 +371,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     unprobed = [p.name for p in pods if p.ready and not _serving(p, observation)]
     reason, detail = ("Loading", "loading") if rolled_out else ("RollingOut", "rolling out the current spec")
     if unprobed:
-        errors = "; ".join(f"{name}: {_probe_error(observation, name)}" for name in unprobed)
+        errors = "; ".join(f"{name}: {_probe_error(observation.probes.get(name))}" for name in unprobed)
         detail = f"pods ready but their servers are not: {errors}"
     conditions = {
         "Ready": ("False", reason, f"{progress}; {detail}"),
@@ -402,8 +402,7 @@ def _serving(pod: PodView, observation: Observation) -> bool:
     return pod.ready and not pod.terminating and probe is not None and probe.ready and probe.info is not None
 
 
-def _probe_error(observation: Observation, pod_name: str) -> str:
-    probe = observation.probes.get(pod_name)
+def _probe_error(probe: ProbeResult | None) -> str:
     return probe.error if probe is not None and probe.error else "not probed yet"
 
 
