@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from eagle3_target.tiny import write_tiny_model
 
 from tests.cluster import plane
 from tests.cluster.access import Cluster
+from tests.cluster.processes import terminate
 from tests.cluster.waiting import direct_opener, eventually, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,13 +63,7 @@ def process(
     try:
         yield child
     finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+        terminate(child, grace_seconds=15, group=True)
 
 
 def install_chart(cluster: Cluster) -> str:

@@ -95,6 +95,21 @@ def stop(processes: Sequence[Process], grace_seconds: float = 10.0) -> None:
             process.popen.wait()
 
 
+def terminate(child: subprocess.Popen, grace_seconds: float = 20.0, *, group: bool = False) -> None:
+    """Stop one child of ours: SIGTERM (its whole process group if `group`), wait up to `grace_seconds`,
+    then SIGKILL. A child that already exited is only reaped."""
+    if child.poll() is None:
+        send = (lambda signum: os.killpg(child.pid, signum)) if group else child.send_signal
+        with contextlib.suppress(ProcessLookupError):
+            send(signal.SIGTERM)
+        try:
+            child.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                send(signal.SIGKILL)
+    child.wait()
+
+
 def _signal_group(process: Process, signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signum)

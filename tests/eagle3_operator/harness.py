@@ -24,7 +24,7 @@ import httpx
 import kubernetes
 import uvicorn
 
-from tests.cluster.processes import kill_when_parent_dies
+from tests.cluster.processes import kill_when_parent_dies, terminate
 from tests.cluster.waiting import LOOPBACK, eventually, free_port
 
 # The operator tests wait longer by default: a reconcile may sit out a retry backoff first.
@@ -86,13 +86,8 @@ class OperatorProcess:
             self.process.wait()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            terminate(self.process)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

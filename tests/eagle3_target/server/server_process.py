@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from tests.cluster.processes import terminate
 from tests.cluster.waiting import LOOPBACK, free_port
 
 
@@ -50,12 +51,7 @@ class ServerProcess:
         raise TimeoutError(f"{path} never answered {status} (last {last}):\n{self.log()[-4000:]}")
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process, grace_seconds=30)
 
 
 def launch(
