@@ -102,29 +102,30 @@ def apiserver_argv(bin_dir: Path, directory: Path, ports: Ports) -> list[str]:
     ]
 
 
-def controller_manager_argv(bin_dir: Path, directory: Path, ports: Ports) -> list[str]:
+def _controller_flags(directory: Path, port: int) -> list[str]:
+    """What the controller-manager and the scheduler share: the admin kubeconfig, no leader election (one
+    instance), a loopback-only health port."""
     return [
-        str(bin_dir / "kube-controller-manager"),
         f"--kubeconfig={directory / 'kubeconfig'}",
         "--leader-elect=false",
         "--bind-address=127.0.0.1",
-        f"--secure-port={ports.controller_manager}",
+        f"--secure-port={port}",
+        "--profiling=false",
+    ]
+
+
+def controller_manager_argv(bin_dir: Path, directory: Path, ports: Ports) -> list[str]:
+    return [
+        str(bin_dir / "kube-controller-manager"),
+        *_controller_flags(directory, ports.controller_manager),
         "--controllers=" + ",".join(["*", *(f"-{name}" for name in DISABLED_CONTROLLERS)]),
         f"--service-account-private-key-file={directory / 'sa.key'}",
         f"--root-ca-file={directory / 'pki' / 'apiserver.crt'}",
-        "--profiling=false",
     ]
 
 
 def scheduler_argv(bin_dir: Path, directory: Path, ports: Ports) -> list[str]:
-    return [
-        str(bin_dir / "kube-scheduler"),
-        f"--kubeconfig={directory / 'kubeconfig'}",
-        "--leader-elect=false",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={ports.scheduler}",
-        "--profiling=false",
-    ]
+    return [str(bin_dir / "kube-scheduler"), *_controller_flags(directory, ports.scheduler)]
 
 
 def kwok_argv(bin_dir: Path, directory: Path) -> list[str]:
