@@ -22,8 +22,8 @@ from eagle3_target.client import (
 )
 from eagle3_target.client.resolve import TargetResource, readiness
 
+from tests.cluster.waiting import free_port
 from tests.eagle3_target.client.helpers import GROUP, PLURAL, VERSION, create_target, status, write_status
-from tests.eagle3_target.server.server_process import free_port
 
 
 def still_waiting(thread: threading.Thread) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,8 +15,8 @@ from eagle3_target.runners.hf import HFRunner
 from eagle3_target.wire.tensors import encode
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.cluster.waiting import eventually, free_port
 from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
-from tests.eagle3_target.server.server_process import free_port
 
 FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
 
@@ -168,10 +167,14 @@ def test_a_full_queue_answers_429_and_the_client_comes_back_after_retry_after(
     occupier = threading.Thread(target=lambda: occupied.append(occupy_engine(busy.url)))
     tokens_before = batch_tokens_sum(busy.url)
     occupier.start()
-    deadline = time.monotonic() + 120
-    while batch_tokens_sum(busy.url) == tokens_before:
-        assert occupier.is_alive() and time.monotonic() < deadline, "the long batch never reached the engine"
-        time.sleep(0.02)
+
+    def long_batch_started() -> bool:
+        if batch_tokens_sum(busy.url) != tokens_before:
+            return True
+        assert occupier.is_alive(), "the long batch never reached the engine"
+        return False
+
+    eventually(long_batch_started, "the long batch to reach the engine", timeout=120, interval=0.02)
     seeds = list(range(30, 38))
     with TargetClient(busy.url, **FAST_RETRIES) as client:
         delivered = list(client.prefetch((token_batch(seed) for seed in seeds), depth=6))
@@ -222,10 +225,14 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
 
     fetcher = threading.Thread(target=fetch)
     fetcher.start()
-    deadline = time.monotonic() + 60
-    while strict.stats["connection_errors"] == 0:  # nothing listens yet: the first attempt must fail
-        assert fetcher.is_alive() and time.monotonic() < deadline, outcome
-        time.sleep(0.05)
+
+    def first_attempt_refused() -> bool:  # nothing listens yet: the first attempt must fail
+        if strict.stats["connection_errors"]:
+            return True
+        assert fetcher.is_alive(), outcome
+        return False
+
+    eventually(first_attempt_refused, "a refused connection", timeout=60, interval=0.05)
     first = spawn_server(tiny_llama_dir, port=port, wait_ready=False)
     fetcher.join(timeout=180)
     [got] = outcome
