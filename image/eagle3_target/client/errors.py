@@ -30,7 +30,7 @@ class TargetUnavailable(ClientError):
 
 
 class RequestRejected(ClientError):
-    """The server refused the request itself (a 4xx other than 429): retrying cannot help."""
+    """The server answered an error other than 429 and 503 (bad input, an engine fault): not retried."""
 
     def __init__(self, status_code: int, error_type: str, message: str) -> None:
         super().__init__(f"HTTP {status_code} {error_type}: {message}")
