@@ -11,7 +11,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from eagle3_target.server.errors import error_response
+from eagle3_target.server.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
@@ -50,7 +50,5 @@ class BearerAuthMiddleware:
         if bearer_matches(authorization, self.token):
             await self.app(scope, receive, send)
             return
-        response = error_response(
-            401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
-        )
-        await response(scope, receive, send)
+        error = Unauthorized("missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)

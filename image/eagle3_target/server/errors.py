@@ -28,6 +28,9 @@ class ApiError(Exception):
         self.message = message
         self.headers = headers or {}
 
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.type, self.message, self.headers)
+
 
 class BadRequest(ApiError):
     status, type = 400, "bad_request"
@@ -68,7 +71,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.type, exc.message, exc.headers)
+        return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -78,9 +81,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return error_response(422, "invalid_input", reasons)
+        return Unprocessable(reasons).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        return ApiError(f"{type(exc).__name__}: {exc}").response()
