@@ -75,6 +75,24 @@ class ModelInfo:
     device: torch.device
 
 
+# Config fields that change the logits after lm_head(final_norm(h_L)), each with the value that leaves them
+# unchanged. Engines that rebuild logits from the final hidden state must refuse a model that sets one.
+LOGIT_TRANSFORMS: dict[str, float | None] = {
+    "final_logit_softcapping": None,  # Gemma 2: cap * tanh(logits / cap)
+    "logit_scale": 1.0,  # Cohere, MPT: logits * scale
+    "logits_scaling": 1.0,  # Granite: logits / scaling
+}
+
+
+def logit_transform(config: Any) -> str | None:
+    """The first config field by which this model's logits are more than lm_head(final_norm(h_L)), or None."""
+    for field, identity in LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, None)
+        if value is not None and value != identity:
+            return field
+    return None
+
+
 def text_config(config: Any) -> Any:
     """The language-model part of a config (multimodal wrappers keep it under `text_config`)."""
     inner = getattr(config, "text_config", None)

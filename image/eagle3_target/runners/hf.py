@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import ForwardHiddenUnsupported, check_inputs, text_config
+from eagle3_target.runners.base import ForwardHiddenUnsupported, check_inputs, logit_transform, text_config
 
 _DTYPES = {
     "float32": torch.float32,
@@ -26,9 +26,6 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-# Config fields that put a non-linear step between final_norm(h_L) and the logits; with them the
-# final hidden state alone cannot reproduce the logits, so `forward_hidden` refuses.
-_NONLINEAR_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
@@ -110,11 +107,10 @@ class HFRunner:
     def forward_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        for field in _NONLINEAR_HEAD_FIELDS:
-            if getattr(self._config, field, None) is not None:
-                raise ForwardHiddenUnsupported(
-                    f"this model's logits apply {field}; use forward_eagle3 for it"
-                )
+        # Read per call, not at load: the config is the model's own, which its owner may still change.
+        field = logit_transform(self._config)
+        if field is not None:
+            raise ForwardHiddenUnsupported(f"this model's logits apply {field}; use forward_eagle3 for it")
 
         def run(ids: Tensor, mask: Tensor) -> Tensor:
             # The decoder alone stops at final_norm(h_L): no [B, S, V] logits are ever allocated.

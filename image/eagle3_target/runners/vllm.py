@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import InvalidInput, check_inputs, text_config
+from eagle3_target.runners.base import InvalidInput, check_inputs, logit_transform, text_config
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
 from eagle3_target.runners.hf import parse_dtype
 
@@ -35,8 +35,6 @@ HIDDEN_STATES_CONNECTOR = "ExampleHiddenStatesConnector"
 HIDDEN_STATES_PATH_KEY = "hidden_states_path"
 DEFAULT_HIDDEN_STATES_DIR = "/dev/shm"
 
-# Config attributes that change logits after the LM head; the rebuild below does not reproduce them.
-LOGIT_TRANSFORM_ATTRS = ("logits_scaling", "final_logit_softcapping", "logit_scale")
 # Startup check of the logits rebuild against vLLM's own greedy token: prompts, their length, and the share
 # that must agree (bf16 kernels differ between the rebuild and vLLM, so near-ties may flip a few).
 REBUILD_CHECK_PROMPTS = 8
@@ -327,12 +325,12 @@ class VLLMRunner:
         typed_kwargs = vllm_engine_kwargs(engine_kwargs)
         full_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         config = text_config(full_config)
-        for attr in LOGIT_TRANSFORM_ATTRS:
-            if getattr(config, attr, None) not in (None, 1, 1.0):
-                raise ValueError(
-                    f"{model_path}: config.{attr} transforms the logits, which the vLLM runner's logits "
-                    "rebuild does not reproduce; use --engine hf"
-                )
+        transform = logit_transform(config)
+        if transform is not None:
+            raise ValueError(
+                f"{model_path}: config.{transform} transforms the logits, which the vLLM runner's logits "
+                "rebuild does not reproduce; use --engine hf"
+            )
         require_eagle3_support(getattr(full_config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
         Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)

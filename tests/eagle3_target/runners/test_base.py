@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 import torch
-from eagle3_target.runners.base import check_inputs, text_config
+from eagle3_target.runners.base import check_inputs, logit_transform, text_config
 
 
 def test_missing_attention_mask_means_every_token_is_real():
@@ -23,3 +23,12 @@ def test_text_config_reads_through_multimodal_wrappers():
     plain = SimpleNamespace(num_hidden_layers=4)
     assert text_config(plain) is plain
     assert text_config(SimpleNamespace(text_config=None, num_hidden_layers=4)).num_hidden_layers == 4
+
+
+def test_logit_transform_names_the_field_unless_it_is_the_identity():
+    assert logit_transform(SimpleNamespace()) is None
+    identity = SimpleNamespace(final_logit_softcapping=None, logit_scale=1.0, logits_scaling=1)
+    assert logit_transform(identity) is None
+    assert logit_transform(SimpleNamespace(final_logit_softcapping=1.0)) == "final_logit_softcapping"
+    assert logit_transform(SimpleNamespace(logit_scale=0.0625)) == "logit_scale"
+    assert logit_transform(SimpleNamespace(logits_scaling=8.0)) == "logits_scaling"

@@ -3,8 +3,9 @@
 import pytest
 import torch
 from eagle3_target.runners import TargetRunner, load_runner, model_info
+from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.runners.hf import HFRunner
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GraniteConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -147,3 +148,25 @@ def test_close_releases_the_weights(tiny_qwen3_dir):
     runner = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
     runner.close()
     assert all(p.device.type == "meta" for p in runner.model.parameters())
+
+
+def test_forward_hidden_refuses_a_model_whose_logits_are_scaled_after_the_lm_head():
+    """Granite divides its logits by `logits_scaling`: lm_head(final) alone is the wrong distribution."""
+    config = GraniteConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        logits_scaling=8.0,
+    )
+    torch.manual_seed(0)
+    runner = HFRunner(AutoModelForCausalLM.from_config(config), aux_layer_ids=[0, 1, 2])
+    ids = torch.randint(0, 128, (1, 6))
+    logits, _ = runner.forward_eagle3(ids)
+    with pytest.raises(ForwardHiddenUnsupported, match="logits_scaling"):
+        runner.forward_hidden(ids)
+    runner.model.config.logits_scaling = 1.0
+    final, _ = runner.forward_hidden(ids)
+    torch.testing.assert_close(torch.nn.functional.linear(final, runner.lm_head_weight()), logits * 8.0)
