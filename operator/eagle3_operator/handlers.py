@@ -127,7 +127,8 @@ def _owner(meta: kopf.Meta) -> tuple[str, str] | None:
     return None
 
 
-def _child_index(namespace: str, meta: kopf.Meta, body: kopf.Body) -> dict[TargetKey, Any]:
+async def child_index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+    """The index of one child kind (registered once per kind below): owned objects, by their target."""
     owner = _owner(meta)
     if owner is None:
         return {}
@@ -145,24 +146,13 @@ def _child_index(namespace: str, meta: kopf.Meta, body: kopf.Body) -> dict[Targe
     return {(namespace, owner[0]): state}
 
 
-def _child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo) -> None:
+async def child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     owner = _owner(meta)
     if owner is not None:
         memo.runtime.reconciler.request((namespace, owner[0]))
 
 
-def _register_child(plural: str, selector: tuple[str, ...]) -> None:
-    """An index and a change trigger for one child kind (same shape for every kind)."""
-
-    async def index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
-        return _child_index(namespace, meta, body)
-
-    async def changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-        _child_changed(namespace, meta, memo)
-
-    kopf.index(*selector, id=f"{plural}_index", labels=MANAGED, registry=registry)(index)
-    kopf.on.event(*selector, id=f"{plural}_changed", labels=MANAGED, registry=registry)(changed)
-
-
+# The same index and change trigger for every child kind; kopf tells them apart by id.
 for _plural, _selector in CHILD_RESOURCES.items():
-    _register_child(_plural, _selector)
+    kopf.index(*_selector, id=f"{_plural}_index", labels=MANAGED, registry=registry)(child_index)
+    kopf.on.event(*_selector, id=f"{_plural}_changed", labels=MANAGED, registry=registry)(child_changed)
