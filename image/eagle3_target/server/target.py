@@ -18,13 +18,13 @@ from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
+from eagle3_target.server.batching import Tensors
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint
 from eagle3_target.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, Tensor]
 CANARY_TOKENS = 8
 
 
