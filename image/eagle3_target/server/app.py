@@ -22,14 +22,13 @@ from eagle3_target.server.nemo_compat import nemo_router
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.settings import ServerSettings, mapping_body_limit
 from eagle3_target.server.state import ServerState
-from eagle3_target.server.target import supervision_compute, validate_token_batch
+from eagle3_target.server.target import WEIGHTS, supervision_compute, validate_token_batch, weight_tensor
 from eagle3_target.wire import tensors as tensor_wire
 
 OCTET_STREAM = "application/octet-stream"
 LOGITS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_FORMATS = ("logits",)
 VOCAB_FORMATS = ("draft", "probs")
-WEIGHTS = ("input_embeddings", "lm_head", "final_norm")
 _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -40,16 +39,6 @@ def decode_safetensors(body: bytearray) -> Tensors:
     except ValueError as exc:
         raise BadRequest(f"body is not a valid safetensors buffer: {exc}") from exc
     return tensors
-
-
-def weight_tensor(state: ServerState, name: str) -> torch.Tensor:
-    runner = state.require_target().runner
-    getters = {
-        "input_embeddings": runner.input_embedding_weight,
-        "lm_head": runner.lm_head_weight,
-        "final_norm": runner.final_norm_weight,
-    }
-    return getters[name]().detach().cpu().contiguous()
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -162,7 +151,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if name not in WEIGHTS:
             raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHTS)}")
         target = state.require_target()
-        weight = await run_in_threadpool(weight_tensor, state, name)
+        weight = await run_in_threadpool(weight_tensor, target, name)
         metadata = {"name": name, "fingerprint": target.fingerprint}
         return Response(
             await run_in_threadpool(tensor_wire.encode, {"weight": weight}, metadata),

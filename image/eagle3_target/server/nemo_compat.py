@@ -21,7 +21,7 @@ from eagle3_target.server.body import read_body_capped
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.state import ServerState
-from eagle3_target.server.target import nemo_generate_compute, validate_token_batch
+from eagle3_target.server.target import nemo_generate_compute, validate_token_batch, weight_tensor
 from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,10 @@ def nemo_router(state: ServerState) -> APIRouter:
 
     @router.post("/input_embeddings")
     async def input_embeddings() -> Response:
-        runner = state.require_target().runner
+        target = state.require_target()
 
         def encode() -> bytes:
-            return nemo_wire.encode({"weight": runner.input_embedding_weight().detach().cpu().contiguous()})
+            return nemo_wire.encode({"weight": weight_tensor(target, "input_embeddings")})
 
         return Response(await run_in_threadpool(encode), media_type=OCTET_STREAM)
 

@@ -131,6 +131,19 @@ def load_target(settings: ServerSettings) -> LoadedTarget:
     )
 
 
+WEIGHTS = ("input_embeddings", "lm_head", "final_norm")
+
+
+def weight_tensor(target: LoadedTarget, name: str) -> Tensor:
+    """One of ``WEIGHTS`` as the contiguous CPU tensor the wire formats encode."""
+    getters = {
+        "input_embeddings": target.runner.input_embedding_weight,
+        "lm_head": target.runner.lm_head_weight,
+        "final_norm": target.runner.final_norm_weight,
+    }
+    return getters[name]().detach().cpu().contiguous()
+
+
 def validate_token_batch(
     tensors: Tensors,
     *,
