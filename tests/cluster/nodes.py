@@ -4,8 +4,13 @@ so that a server bound on this machine answers at a pod's IP."""
 
 from __future__ import annotations
 
+import os
+
 import kubernetes
 
+# The second octet of every pod IP (127.POD_NET.x.y). Clusters that run side by side on one machine (several
+# checkouts of the repository) set E3T_POD_NET apart so their servers at pod IPs never share an address.
+POD_NET = int(os.environ.get("E3T_POD_NET", "1"))
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node=fake"
@@ -18,7 +23,7 @@ def gpu_node_name(index: int) -> str:
 
 def gpu_node_pod_cidr(index: int) -> str:
     """Node N hands out 127.1.(N+1).x; kwok's fallback --cidr 127.1.0.0/24 serves nodes without a podCIDR."""
-    return f"127.1.{index + 1}.0/24"
+    return f"127.{POD_NET}.{index + 1}.0/24"
 
 
 def gpu_node(index: int, gpus: int = 8) -> dict[str, object]:

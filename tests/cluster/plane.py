@@ -31,7 +31,7 @@ from tests.cluster.waiting import direct_opener
 CLI_DIR = REPO / ".cache" / "cluster"  # where `python -m tests.cluster up` keeps its cluster
 STAGES = Path(__file__).with_name("kwok-stages.yaml")
 SERVICE_CIDR = "127.2.0.0/16"
-FALLBACK_POD_CIDR = "127.1.0.0/24"
+FALLBACK_POD_CIDR = f"127.{nodes.POD_NET}.0.0/24"
 NODE_IP = "127.0.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # EndpointSlices and Endpoints reject loopback addresses ("may not be in the loopback range"): these

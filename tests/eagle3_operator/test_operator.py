@@ -13,6 +13,7 @@ import httpx
 import kubernetes
 import pytest
 
+from tests.cluster import nodes
 from tests.cluster.access import Cluster
 from tests.eagle3_operator.conftest import AUTH_TOKEN, GROUP, PLURAL, VERSION
 from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
@@ -170,7 +171,7 @@ def test_lifecycle_ready_scale_rollout_suspend(
 
     status = wait_for(unserved_endpoint, "an endpoint published as not ready")
     assert condition(status, "Ready")["status"] == "False"
-    assert status["endpoints"][0]["address"].startswith("http://127.1.")
+    assert status["endpoints"][0]["address"].startswith(f"http://127.{nodes.POD_NET}.")
 
     # A real server answers at the pod's IP:port → Ready, with endpoint, model and fingerprint.
     pod_serving.ports.add(port)
