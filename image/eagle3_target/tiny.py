@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from eagle3_target.runners.hf import parse_dtype
+from eagle3_target.runners.base import parse_dtype
 
 ARCHS = ("llama", "qwen3")
 NUM_HEADS = 4

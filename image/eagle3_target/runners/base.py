@@ -75,6 +75,27 @@ class ModelInfo:
     device: torch.device
 
 
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """Map a user dtype ("auto", "bfloat16", "bf16", torch.float32, ...) to what transformers accepts."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}") from None
+
+
 # Config fields that change the logits after lm_head(final_norm(h_L)), each with the value that leaves them
 # unchanged. Engines that rebuild logits from the final hidden state must refuse a model that sets one.
 LOGIT_TRANSFORMS: dict[str, float | None] = {

@@ -15,27 +15,13 @@ import torch
 from torch import Tensor, nn
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import ForwardHiddenUnsupported, check_inputs, logit_transform, text_config
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
-    """Map a user dtype ("auto", "bfloat16", "bf16", torch.float32, ...) to what transformers accepts."""
-    if isinstance(dtype, torch.dtype) or dtype == "auto":
-        return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(_DTYPES)}") from None
+from eagle3_target.runners.base import (
+    ForwardHiddenUnsupported,
+    check_inputs,
+    logit_transform,
+    parse_dtype,
+    text_config,
+)
 
 
 def _first_attr(owner: nn.Module, names: Sequence[str], what: str) -> Any:

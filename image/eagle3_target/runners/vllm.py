@@ -12,12 +12,9 @@ lazily so the rest of the package works without it.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import fcntl
-import json
 import shutil
 import tempfile
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +23,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
-from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
+from eagle3_target.contract import default_aux_layer_ids
 from eagle3_target.runners.base import InvalidInput, check_inputs, logit_transform, text_config
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
-from eagle3_target.runners.hf import parse_dtype
+from eagle3_target.runners.vllm_args import vllm_dtype_name, vllm_engine_kwargs
+from eagle3_target.runners.vllm_capture import (
+    HIDDEN_STATES_CONNECTOR,
+    HIDDEN_STATES_PATH_KEY,
+    capture_layer_ids,
+    check_capture,
+    discard_capture,
+    file_positions,
+    rms_norm,
+)
 
-HIDDEN_STATES_CONNECTOR = "ExampleHiddenStatesConnector"
-HIDDEN_STATES_PATH_KEY = "hidden_states_path"
 DEFAULT_HIDDEN_STATES_DIR = "/dev/shm"
 
 # Startup check of the logits rebuild against vLLM's own greedy token: prompts, their length, and the share
@@ -40,196 +44,6 @@ DEFAULT_HIDDEN_STATES_DIR = "/dev/shm"
 REBUILD_CHECK_PROMPTS = 8
 REBUILD_CHECK_TOKENS = 16
 REBUILD_CHECK_MIN_AGREEMENT = 0.75
-
-
-# ---- engine arguments ---------------------------------------------------------------------------------
-
-
-def parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {text!r}")
-
-
-def parse_json_object(text: str) -> dict[str, Any]:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-def parse_fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def parse_positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-# vllm.EngineArgs fields (vllm/engine/arg_utils.py, 0.33.0) accepted through `--engine-arg KEY=VALUE`,
-# each with the parser that turns the CLI string into the type vLLM expects.
-ENGINE_ARG_PARSERS: dict[str, Callable[[str], Any]] = {
-    "gpu_memory_utilization": parse_fraction,
-    "kv_cache_memory_bytes": parse_positive_int,
-    "max_model_len": parse_positive_int,
-    "max_num_seqs": parse_positive_int,
-    "max_num_batched_tokens": parse_positive_int,
-    "tensor_parallel_size": parse_positive_int,
-    "pipeline_parallel_size": parse_positive_int,
-    "block_size": parse_positive_int,
-    "num_gpu_blocks_override": parse_positive_int,
-    "max_cudagraph_capture_size": parse_positive_int,
-    "seed": int,
-    "cpu_offload_gb": float,
-    "quantization": str,
-    "kv_cache_dtype": str,
-    "load_format": str,
-    "revision": str,
-    "tokenizer": str,
-    "download_dir": str,
-    "distributed_executor_backend": str,
-    "attention_backend": str,
-    "model_impl": str,
-    "enforce_eager": parse_bool,
-    "enable_chunked_prefill": parse_bool,
-    "enable_expert_parallel": parse_bool,
-    "disable_custom_all_reduce": parse_bool,
-    "async_scheduling": parse_bool,
-    "compilation_config": parse_json_object,
-    "hf_overrides": parse_json_object,
-    "model_loader_extra_config": parse_json_object,
-}
-
-# Arguments this runner sets itself: overriding them would break the capture or its correctness.
-RUNNER_OWNED_ARGS = {
-    "model": "the model path is the runner's first argument",
-    "dtype": "pass the dtype to the runner (--dtype)",
-    "trust_remote_code": "pass --trust-remote-code",
-    "speculative_config": "the runner configures the extract_hidden_states method",
-    "kv_transfer_config": "the runner configures the hidden-states connector",
-    "enable_prefix_caching": "prefix caching is kept off so every prompt position is computed and captured",
-}
-
-
-def coerce_engine_arg(key: str, value: object) -> Any:
-    """One engine argument in the type vLLM expects: CLI strings are parsed, typed values are re-checked."""
-    parser = ENGINE_ARG_PARSERS[key]
-    text = json.dumps(value) if isinstance(value, dict) else str(value)
-    if isinstance(value, bool) and parser is not parse_bool:
-        raise ValueError(f"engine argument {key}: expected a {parser.__name__} value, got a boolean")
-    try:
-        return parser(text)
-    except ValueError as exc:
-        raise ValueError(f"engine argument {key}={value!r}: {exc}") from None
-
-
-def vllm_engine_kwargs(args: Mapping[str, object]) -> dict[str, Any]:
-    """Validate and type the user's engine arguments (`--engine-arg KEY=VALUE`, keys with - or _).
-
-    Unknown keys and keys the runner owns are refused with the reason, so a typo fails at startup instead
-    of being silently ignored or reaching vLLM as a string.
-    """
-    kwargs: dict[str, Any] = {}
-    for raw_key, value in args.items():
-        key = raw_key.strip().replace("-", "_")
-        if key in RUNNER_OWNED_ARGS:
-            raise ValueError(f"engine argument {raw_key} is set by the vLLM runner: {RUNNER_OWNED_ARGS[key]}")
-        if key not in ENGINE_ARG_PARSERS:
-            close = difflib.get_close_matches(key, ENGINE_ARG_PARSERS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(
-                f"unknown engine argument {raw_key}{hint}; supported: {', '.join(sorted(ENGINE_ARG_PARSERS))}"
-            )
-        if key in kwargs:
-            raise ValueError(f"engine argument {key} given twice")
-        kwargs[key] = coerce_engine_arg(key, value)
-    return kwargs
-
-
-# ---- capture layout -----------------------------------------------------------------------------------
-
-
-def capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM capture ids for HF aux ids: id `k` is the residual entering layer `k`, so HF `a` -> `a+1`; plus L.
-
-    Aux id `L-1` would capture `L`, the final pre-norm state asked for separately; vLLM dedups the ids and
-    the file would hold one layer fewer, so it is refused.
-    """
-    ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
-    if num_layers - 1 in ids:
-        raise ValueError(
-            f"aux layer id {num_layers - 1} (the last decoder layer) is not supported by the vLLM engine: "
-            f"its capture id {num_layers} is the final pre-norm hidden state the runner already captures"
-        )
-    return [a + 1 for a in ids] + [num_layers]
-
-
-def file_positions(capture_ids: Sequence[int]) -> list[int]:
-    """Index of each capture id in vLLM's file, which holds the layers ascending (`tuple(sorted(set(ids)))`
-    in `EagleModelMixin._set_aux_hidden_state_layers`, vllm/model_executor/models/interfaces.py)."""
-    ascending = sorted(capture_ids)
-    return [ascending.index(i) for i in capture_ids]
-
-
-def rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """The final RMSNorm exactly as transformers' Llama/Qwen3 RMSNorm computes it (fp32 statistics)."""
-    x = hidden.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(hidden.dtype)
-
-
-def check_capture(
-    row: int, data: Mapping[str, Tensor], prompt: list[int], num_captures: int, hidden: int
-) -> Tensor:
-    """Refuse a capture that would make wrong supervision: wrong shape/length, foreign tokens, zeros, NaN/inf.
-
-    All-zero layers are what vLLM 0.24 silently wrote for hybrid models (vllm PR #46301); a length mismatch
-    is what prefix caching produced in vllm issue #44485.
-    """
-    states = data["hidden_states"]
-    token_ids = data["token_ids"]
-    if states.dim() != 3 or tuple(states.shape[1:]) != (num_captures, hidden):
-        raise RuntimeError(
-            f"row {row}: captured hidden_states has shape {tuple(states.shape)}, expected "
-            f"[seq, {num_captures}, {hidden}]"
-        )
-    if states.shape[0] != len(prompt) or token_ids.numel() != len(prompt):
-        raise RuntimeError(
-            f"row {row}: vLLM captured {states.shape[0]} positions ({token_ids.numel()} token ids) for a "
-            f"{len(prompt)}-token prompt"
-        )
-    if token_ids.tolist() != prompt:
-        raise RuntimeError(f"row {row}: the captured token_ids differ from the prompt that was sent")
-    if not torch.isfinite(states).all():
-        raise RuntimeError(f"row {row}: vLLM captured non-finite (NaN/inf) hidden states")
-    zero_layers = (states == 0).flatten(start_dim=2).all(dim=2).all(dim=0).nonzero().flatten().tolist()
-    if zero_layers:
-        raise RuntimeError(f"row {row}: vLLM captured all-zero hidden states at file slot(s) {zero_layers}")
-    return states
-
-
-def discard_capture(path: str) -> None:
-    """Delete a capture file without reading it, once its writer has finished.
-
-    The connector writes asynchronously while holding LOCK_EX on `path + ".lock"` (created before the path
-    is returned); deleting before the write ends would let the file reappear afterwards and stay in memory.
-    """
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states,
-    )
-
-    with contextlib.suppress(FileNotFoundError), open(path + ".lock") as lock:
-        fcntl.flock(lock, fcntl.LOCK_SH)
-    cleanup_hidden_states(path)
 
 
 def require_eagle3_support(architectures: Sequence[str]) -> None:
@@ -253,12 +67,6 @@ def require_eagle3_support(architectures: Sequence[str]) -> None:
             f"vLLM's {model_cls.__name__} (architecture {registered[0]}) does not implement the EAGLE-3 "
             "interface (SupportsEagle3), so extract_hidden_states cannot capture its layers; use --engine hf"
         )
-
-
-def vllm_dtype_name(dtype: torch.dtype | str | None) -> str:
-    """vLLM's `dtype` argument ("auto", "bfloat16", ...) from the dtypes the HF engine also accepts."""
-    parsed = parse_dtype("auto" if dtype is None else dtype)
-    return parsed if isinstance(parsed, str) else str(parsed).removeprefix("torch.")
 
 
 # ---- the runner ---------------------------------------------------------------------------------------

@@ -17,19 +17,10 @@ from types import ModuleType
 import pytest
 import torch
 from eagle3_target.runners import TargetRunner, load_runner, model_info
-from eagle3_target.runners.checkpoint import load_head_weights, tensor_files
 from eagle3_target.runners.hf import HFRunner
-from eagle3_target.runners.vllm import (
-    ENGINE_ARG_PARSERS,
-    VLLMRunner,
-    capture_layer_ids,
-    file_positions,
-    vllm_engine_kwargs,
-)
+from eagle3_target.runners.vllm import VLLMRunner
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
-from eagle3_target.tiny import write_tiny_model
-from safetensors.torch import save_file
 
 from tests.eagle3_target.runners import fake_vllm as stand_in
 
@@ -306,108 +297,3 @@ def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
     with pytest.raises(ValueError, match="right-padded"):
         runner.forward_eagle3(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]))
     runner.close()
-
-
-# ---- pure helpers ---------------------------------------------------------------------------------------
-
-
-def test_capture_ids_and_file_order():
-    assert capture_layer_ids([1, 15, 28], 32) == [2, 16, 29, 32]
-    assert capture_layer_ids([28, 1, 15], 32) == [29, 2, 16, 32]
-    assert file_positions([29, 2, 16, 32]) == [2, 0, 1, 3]
-    with pytest.raises(ValueError, match="aux layer id 31"):
-        capture_layer_ids([1, 15, 31], 32)
-    with pytest.raises(ValueError, match="distinct"):
-        capture_layer_ids([1, 1, 2], 32)
-
-
-def test_engine_kwargs_are_typed():
-    assert vllm_engine_kwargs(
-        {
-            "gpu-memory-utilization": "0.85",
-            "max_model_len": "4096",
-            "tensor_parallel_size": 2,
-            "quantization": "fp8",
-            "enforce_eager": "off",
-            "compilation_config": '{"mode": 0}',
-            "hf_overrides": {"rope_theta": 10000},
-            "seed": "-1",
-        }
-    ) == {
-        "gpu_memory_utilization": 0.85,
-        "max_model_len": 4096,
-        "tensor_parallel_size": 2,
-        "quantization": "fp8",
-        "enforce_eager": False,
-        "compilation_config": {"mode": 0},
-        "hf_overrides": {"rope_theta": 10000},
-        "seed": -1,
-    }
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            {"max_model_lenn": "4096"},
-            r"unknown engine argument max_model_lenn \(did you mean max_model_len\?\)",
-        ),
-        ({"enable_prefix_caching": "true"}, r"set by the vLLM runner: prefix caching is kept off"),
-        ({"speculative_config": "{}"}, r"set by the vLLM runner"),
-        ({"gpu_memory_utilization": "1.5"}, r"gpu_memory_utilization='1.5': expected a fraction"),
-        ({"max_model_len": "4k"}, r"max_model_len='4k'"),
-        ({"max_model_len": "0"}, r"expected a positive integer"),
-        ({"tensor_parallel_size": True}, r"got a boolean"),
-        ({"enforce_eager": "maybe"}, r"expected a boolean"),
-        ({"compilation_config": "[1]"}, r"expected a JSON object"),
-        ({"max-model-len": "1", "max_model_len": "2"}, r"given twice"),
-    ],
-)
-def test_bad_engine_kwargs_are_refused(args, message):
-    with pytest.raises(ValueError, match=message):
-        vllm_engine_kwargs(args)
-
-
-def test_every_engine_arg_has_a_parser_for_its_cli_string():
-    samples = {"parse_fraction": "0.5", "parse_positive_int": "3", "int": "3", "float": "1.5", "str": "x"}
-    samples |= {"parse_bool": "true", "parse_json_object": "{}"}
-    for key, parser in ENGINE_ARG_PARSERS.items():
-        assert vllm_engine_kwargs({key: samples[parser.__name__]})[key] == parser(samples[parser.__name__])
-
-
-# ---- checkpoint reading ---------------------------------------------------------------------------------
-
-
-def test_sharded_checkpoint_head_weights_match_the_model(tmp_path):
-    model_dir = write_tiny_model(tmp_path / "sharded", arch="llama", num_layers=4, max_shard_size="20KB")
-    files = tensor_files(model_dir)
-    assert len(set(files.values())) > 1, "the checkpoint should be sharded"
-    hf = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu", aux_layer_ids=[0, 1, 2])
-    weights = load_head_weights(
-        model_dir,
-        vocab_size=256,
-        hidden_size=HIDDEN,
-        tie_word_embeddings=False,
-        dtype=torch.float32,
-        device="cpu",
-    )
-    assert torch.equal(weights.input_embeddings, hf.input_embedding_weight())
-    assert torch.equal(weights.lm_head, hf.lm_head_weight())
-    assert not torch.equal(weights.lm_head, weights.input_embeddings)
-    assert torch.equal(weights.final_norm, hf.final_norm_weight())
-
-
-def test_checkpoint_errors(tmp_path, tiny_llama_dir):
-    with pytest.raises(FileNotFoundError, match=r"neither model\.safetensors"):
-        tensor_files(tmp_path)
-    common = {"hidden_size": HIDDEN, "tie_word_embeddings": False, "dtype": torch.float32, "device": "cpu"}
-    with pytest.raises(ValueError, match=r"input embeddings has shape \(256, 64\), expected \(512, 64\)"):
-        load_head_weights(tiny_llama_dir, vocab_size=512, **common)
-    untied_without_head = tmp_path / "no-lm-head"
-    untied_without_head.mkdir()
-    weights = {"model.embed_tokens.weight": torch.zeros(256, HIDDEN), "model.norm.weight": torch.ones(HIDDEN)}
-    save_file(weights, untied_without_head / "model.safetensors")
-    with pytest.raises(ValueError, match="untied embeddings but no LM head"):
-        load_head_weights(untied_without_head, vocab_size=256, **common)
-    padded = load_head_weights(tiny_llama_dir, vocab_size=200, **common)
-    assert padded.lm_head.shape == (200, HIDDEN), "rows past vocab_size are padding and are trimmed"
