@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from eagle3_target.runners.base import InvalidInput, ModelInfo, TargetRunner, check_inputs, model_info
+from eagle3_target.runners.base import (
+    InvalidInput,
+    ModelInfo,
+    ModelRefused,
+    TargetRunner,
+    check_inputs,
+    model_info,
+)
 
 ENGINES = ("hf", "vllm")
 
@@ -16,7 +23,9 @@ __all__ = [
     "ENGINES",
     "InvalidInput",
     "ModelInfo",
+    "ModelRefused",
     "TargetRunner",
+    "check_engine_args",
     "check_inputs",
     "load_runner",
     "model_info",
@@ -34,9 +43,8 @@ def load_runner(
     **engine_kwargs: Any,
 ) -> TargetRunner:
     """Load a local model directory with the named engine ("hf" or "vllm")."""
+    check_engine_args(engine, engine_kwargs)
     if engine == "hf":
-        if engine_kwargs:
-            raise ValueError(f"the hf engine takes no engine arguments, got {sorted(engine_kwargs)}")
         from eagle3_target.runners.hf import HFRunner
 
         return HFRunner.from_pretrained(
@@ -57,4 +65,20 @@ def load_runner(
             trust_remote_code=trust_remote_code,
             **engine_kwargs,
         )
-    raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    raise AssertionError(f"check_engine_args let engine {engine!r} through")
+
+
+def check_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> None:
+    """Refuse, before anything loads, an engine or engine arguments that loading would refuse."""
+    if engine == "hf":
+        if engine_kwargs:
+            raise ModelRefused(
+                f"the hf engine takes no engine arguments, got {sorted(engine_kwargs)}: drop the "
+                "--engine-arg flags (they are vLLM's) or use --engine vllm"
+            )
+    elif engine == "vllm":
+        from eagle3_target.runners.vllm_args import RUNNER_OPTIONS, vllm_engine_kwargs
+
+        vllm_engine_kwargs({key: value for key, value in engine_kwargs.items() if key not in RUNNER_OPTIONS})
+    else:
+        raise ModelRefused(f"unknown engine {engine!r}; expected one of {ENGINES}")

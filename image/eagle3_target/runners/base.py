@@ -19,6 +19,12 @@ class InvalidInput(ValueError):
     answers it with 422; any other exception from a runner is a server fault (500)."""
 
 
+class ModelRefused(ValueError):
+    """An engine will not load this model with these arguments (an unknown engine argument, an architecture
+    or config it cannot serve exactly). Loading again cannot change the answer, so the server ends with the
+    message: it says what is wrong and what to do."""
+
+
 class ForwardHiddenUnsupported(ValueError):
     """`forward_hidden` refuses: this model's logits are not lm_head(final_norm(h_L)) (a softcap, a logit
     scale), so only `forward_eagle3` gives them exactly. Callers that can take full logits fall back."""

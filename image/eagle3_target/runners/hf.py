@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
 from eagle3_target.runners.base import (
     ForwardHiddenUnsupported,
+    ModelRefused,
     check_inputs,
     logit_transform,
     parse_dtype,
@@ -68,7 +69,7 @@ class HFRunner:
 
         path = Path(model_path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is not a local model directory (no config.json)")
+            raise ModelRefused(f"{path} is not a local model directory (no config.json)")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         model = AutoModelForCausalLM.from_pretrained(

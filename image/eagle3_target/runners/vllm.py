@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from eagle3_target.contract import default_aux_layer_ids
-from eagle3_target.runners.base import InvalidInput, check_inputs, logit_transform, text_config
+from eagle3_target.runners.base import InvalidInput, ModelRefused, check_inputs, logit_transform, text_config
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
 from eagle3_target.runners.vllm_args import vllm_dtype_name, vllm_engine_kwargs
 from eagle3_target.runners.vllm_capture import (
@@ -63,7 +63,7 @@ def require_eagle3_support(architectures: Sequence[str]) -> None:
         return
     model_cls = ModelRegistry.models[registered[0]].load_model_cls()
     if not supports_eagle3(model_cls):
-        raise ValueError(
+        raise ModelRefused(
             f"vLLM's {model_cls.__name__} (architecture {registered[0]}) does not implement the EAGLE-3 "
             "interface (SupportsEagle3), so extract_hidden_states cannot capture its layers; use --engine hf"
         )
@@ -135,7 +135,7 @@ class VLLMRunner:
         config = text_config(full_config)
         transform = logit_transform(config)
         if transform is not None:
-            raise ValueError(
+            raise ModelRefused(
                 f"{model_path}: config.{transform} transforms the logits, which the vLLM runner's logits "
                 "rebuild does not reproduce; use --engine hf"
             )

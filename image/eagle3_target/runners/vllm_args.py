@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from eagle3_target.runners.base import parse_dtype
+from eagle3_target.runners.base import ModelRefused, parse_dtype
 
 
 def parse_bool(text: str) -> bool:
@@ -91,16 +91,20 @@ RUNNER_OWNED_ARGS = {
 }
 
 
+# Engine arguments that are the runner's own options (`VLLMRunner.from_pretrained` keywords), not vLLM's.
+RUNNER_OPTIONS = frozenset({"hidden_states_dir"})
+
+
 def coerce_engine_arg(key: str, value: object) -> Any:
     """One engine argument in the type vLLM expects: CLI strings are parsed, typed values are re-checked."""
     parser = ENGINE_ARG_PARSERS[key]
     text = json.dumps(value) if isinstance(value, dict) else str(value)
     if isinstance(value, bool) and parser is not parse_bool:
-        raise ValueError(f"engine argument {key}: expected a {parser.__name__} value, got a boolean")
+        raise ModelRefused(f"engine argument {key}: expected a {parser.__name__} value, got a boolean")
     try:
         return parser(text)
     except ValueError as exc:
-        raise ValueError(f"engine argument {key}={value!r}: {exc}") from None
+        raise ModelRefused(f"engine argument {key}={value!r}: {exc}") from None
 
 
 def vllm_engine_kwargs(args: Mapping[str, object]) -> dict[str, Any]:
@@ -113,15 +117,16 @@ def vllm_engine_kwargs(args: Mapping[str, object]) -> dict[str, Any]:
     for raw_key, value in args.items():
         key = raw_key.strip().replace("-", "_")
         if key in RUNNER_OWNED_ARGS:
-            raise ValueError(f"engine argument {raw_key} is set by the vLLM runner: {RUNNER_OWNED_ARGS[key]}")
+            reason = RUNNER_OWNED_ARGS[key]
+            raise ModelRefused(f"engine argument {raw_key} is set by the vLLM runner: {reason}")
         if key not in ENGINE_ARG_PARSERS:
             close = difflib.get_close_matches(key, ENGINE_ARG_PARSERS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(
+            raise ModelRefused(
                 f"unknown engine argument {raw_key}{hint}; supported: {', '.join(sorted(ENGINE_ARG_PARSERS))}"
             )
         if key in kwargs:
-            raise ValueError(f"engine argument {key} given twice")
+            raise ModelRefused(f"engine argument {key} given twice")
         kwargs[key] = coerce_engine_arg(key, value)
     return kwargs
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from eagle3_target.runners import TargetRunner, load_runner, model_info
+from eagle3_target.runners import ModelRefused, TargetRunner, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.runners.hf import HFRunner
 from transformers import AutoModelForCausalLM, GraniteConfig
@@ -134,13 +134,13 @@ def test_bad_inputs_are_refused_before_the_forward(tiny_llama_dir, ids, mask, ma
 
 
 def test_loading_errors(tiny_llama_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"config\.json"):
+    with pytest.raises(ModelRefused, match=r"config\.json"):
         HFRunner.from_pretrained(tmp_path, device="cpu")
     with pytest.raises(ValueError, match="unknown dtype"):
         HFRunner.from_pretrained(tiny_llama_dir, dtype="float7", device="cpu")
-    with pytest.raises(ValueError, match="unknown engine"):
+    with pytest.raises(ModelRefused, match="unknown engine"):
         load_runner("sglang", tiny_llama_dir, dtype="float32")
-    with pytest.raises(ValueError, match="no engine arguments"):
+    with pytest.raises(ModelRefused, match="no engine arguments"):
         load_runner("hf", tiny_llama_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.5)
 
 

@@ -8,6 +8,7 @@ shapes accumulate in a different order. That measured at most 4e-6 here; we allo
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +17,10 @@ from types import ModuleType
 
 import pytest
 import torch
-from eagle3_target.runners import TargetRunner, load_runner, model_info
+from eagle3_target.runners import ModelRefused, TargetRunner, check_engine_args, load_runner, model_info
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import VLLMRunner
+from eagle3_target.runners.vllm_args import RUNNER_OPTIONS
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
 
@@ -148,6 +150,15 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
     runner.close()
     assert not llm.llm_engine.engine_core.running
     assert not runner.hidden_states_dir.exists()
+
+
+def test_runner_options_are_the_from_pretrained_keywords_vllm_never_sees():
+    parameters = inspect.signature(VLLMRunner.from_pretrained).parameters.values()
+    keywords = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+    assert keywords - {"dtype", "aux_layer_ids", "device", "trust_remote_code"} == RUNNER_OPTIONS
+    check_engine_args("vllm", {"hidden_states_dir": "/dev/shm", "enforce_eager": "true"})
+    with pytest.raises(ModelRefused, match="unknown engine argument no_such_arg"):
+        check_engine_args("vllm", {"no_such_arg": 2})
 
 
 def test_load_runner_passes_engine_kwargs_through(tiny_llama_dir, fake_vllm, shm):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from eagle3_target.runners import ModelRefused
 from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, vllm_engine_kwargs
 
 
@@ -49,7 +50,7 @@ def test_engine_kwargs_are_typed():
     ],
 )
 def test_bad_engine_kwargs_are_refused(args, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ModelRefused, match=message):
         vllm_engine_kwargs(args)
 
 
