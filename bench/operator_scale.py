@@ -34,13 +34,13 @@ if str(REPO) not in sys.path:  # `python bench/operator_scale.py` as well as `py
     sys.path.insert(0, str(REPO))
 
 import kubernetes  # noqa: E402
+from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402
 from eagle3_target.tiny import write_tiny_model  # noqa: E402
 
 from tests.cluster import plane  # noqa: E402
 from tests.cluster.access import Cluster  # noqa: E402
 from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port  # noqa: E402
 
-GROUP, VERSION, PLURAL = "eagle3.dev", "v1alpha1", "eagle3targets"
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 
 
@@ -52,8 +52,8 @@ def manifest(name: str, mode: str, url: str, port: int) -> dict:
         spec = {"model": {"name": "tiny-llama", "source": source}, "engine": "hf", "tensorParallelSize": 0}
         spec |= {"replicas": 1, "port": port}
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "Eagle3Target",
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "metadata": {"name": name},
         "spec": spec,
     }

@@ -33,6 +33,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from eagle3_target import formats  # noqa: E402
 from eagle3_target.contract import VocabMapping  # noqa: E402
+from eagle3_target.protocol import FORMATS  # noqa: E402
 from eagle3_target.runners import load_runner  # noqa: E402
 from eagle3_target.tiny import write_tiny_model  # noqa: E402
 from eagle3_target.wire import tensors as tensor_wire  # noqa: E402
@@ -147,7 +148,7 @@ def main() -> None:
             )
             put.raise_for_status()
             results = {}
-            for fmt in formats.FORMATS:
+            for fmt in FORMATS:
                 fmt_mapping = mapping.to(args.device) if fmt in ("draft", "probs") else None
                 # Interleaved rounds, best of each path: a shared machine's noise hits both paths alike.
                 local, c1, c4 = 0.0, 0.0, 0.0

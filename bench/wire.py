@@ -19,7 +19,8 @@ from collections.abc import Callable
 import safetensors.torch
 import torch
 from eagle3_target.contract import VocabMapping
-from eagle3_target.formats import FORMATS, supervision
+from eagle3_target.formats import supervision
+from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo, tensors

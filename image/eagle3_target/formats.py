@@ -24,14 +24,8 @@ from eagle3_target.contract import (
     check_aligned,
     shift_left,
 )
+from eagle3_target.protocol import FORMATS
 
-FORMAT_TENSORS = {
-    "hidden": ("aux_hidden_states", "final_hidden"),
-    "draft": ("aux_hidden_states", "draft_logits", "logsumexp", "argmax"),
-    "probs": ("aux_hidden_states", "target_probs", "position_mask"),
-    "logits": ("aux_hidden_states", "logits"),
-}
-FORMATS = tuple(FORMAT_TENSORS)
 # 1024 tokens of fp32 logits at V=128k is 0.5 GB: small next to an 8B model, and big enough to keep
 # the GEMM efficient.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -63,8 +57,8 @@ def probs_from_draft(
 
 def _check_format(fmt: str, mapping: VocabMapping | None) -> None:
     if fmt not in FORMATS:
-        raise ValueError(f"unknown supervision format {fmt!r}; expected one of {FORMATS}")
-    if fmt in ("draft", "probs") and mapping is None:
+        raise ValueError(f"unknown supervision format {fmt!r}; expected one of {tuple(FORMATS)}")
+    if FORMATS[fmt].needs_vocab and mapping is None:
         raise ValueError(f"format {fmt!r} needs a vocab mapping")
 
 
@@ -146,7 +140,7 @@ def batch_from_supervision(
     With a mapping the batch carries draft-vocab probabilities, without one full logits.
     """
     _check_format(fmt, mapping)
-    missing = [name for name in FORMAT_TENSORS[fmt] if name not in tensors]
+    missing = [name for name in FORMATS[fmt].tensors if name not in tensors]
     if missing:
         raise ValueError(f"format {fmt!r} needs tensors {missing}, got {sorted(tensors)}")
     aux = tensors["aux_hidden_states"]
@@ -164,7 +158,7 @@ def batch_from_supervision(
         raise ValueError(
             f"the supervision has {draft_vocab} draft tokens, the mapping {mapping.draft_vocab_size}"
         )
-    check_aligned(tuple(input_ids.shape), aux, *(tensors[name] for name in FORMAT_TENSORS[fmt]), loss_mask)
+    check_aligned(tuple(input_ids.shape), aux, *(tensors[name] for name in FORMATS[fmt].tensors), loss_mask)
     shifted_loss_mask = shift_left(loss_mask)
     if fmt == "draft":
         target_probs, position_mask = probs_from_draft(

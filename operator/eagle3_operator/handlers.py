@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from eagle3_target.protocol import GROUP, KIND, PLURAL, VERSION
 
+from eagle3_operator.constants import LABEL_INSTANCE, MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.probe import Prober
 from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
-from eagle3_operator.render import GROUP, KIND, LABEL_INSTANCE, LABEL_MANAGED_BY, MANAGER, PLURAL, VERSION
-from eagle3_operator.settings import CHILD_RESOURCES, POD_RESOURCE, OperatorConfig, configure
+from eagle3_operator.settings import OperatorConfig, configure
 from eagle3_operator.status import deployment_view, pod_view
 
-MANAGED = {LABEL_MANAGED_BY: MANAGER}
 # The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
 registry = kopf.OperatorRegistry()
 
@@ -59,7 +59,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
         api,
         prober,
         targets=kwargs["target_index"],
-        children=[kwargs[f"{plural}_index"] for plural in CHILD_RESOURCES],
+        children=[kwargs[f"{child.plural}_index"] for child in WATCHED_CHILD_KINDS],
         pods=kwargs["pod_index"],
     )
     reprobe = asyncio.create_task(reconciler.reprobe_forever(config.reprobe_seconds))
@@ -102,13 +102,13 @@ async def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.
         reconciler.request((namespace, name))
 
 
-@kopf.index(*POD_RESOURCE, labels=MANAGED, registry=registry)
+@kopf.index(*POD_SELECTOR, labels=MANAGED_LABELS, registry=registry)
 async def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
     instance = labels.get(LABEL_INSTANCE)
     return {(namespace, instance): pod_view(body)} if instance else {}
 
 
-@kopf.on.event(*POD_RESOURCE, labels=MANAGED, registry=registry)
+@kopf.on.event(*POD_SELECTOR, labels=MANAGED_LABELS, registry=registry)
 async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     instance = labels.get(LABEL_INSTANCE)
     if instance:
@@ -153,6 +153,10 @@ async def child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: A
 
 
 # The same index and change trigger for every child kind; kopf tells them apart by id.
-for _plural, _selector in CHILD_RESOURCES.items():
-    kopf.index(*_selector, id=f"{_plural}_index", labels=MANAGED, registry=registry)(child_index)
-    kopf.on.event(*_selector, id=f"{_plural}_changed", labels=MANAGED, registry=registry)(child_changed)
+for _child in WATCHED_CHILD_KINDS:
+    kopf.index(*_child.selector, id=f"{_child.plural}_index", labels=MANAGED_LABELS, registry=registry)(
+        child_index
+    )
+    kopf.on.event(*_child.selector, id=f"{_child.plural}_changed", labels=MANAGED_LABELS, registry=registry)(
+        child_changed
+    )

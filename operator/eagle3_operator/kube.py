@@ -16,24 +16,19 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from eagle3_target.protocol import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 
 from eagle3_operator import metrics
-from eagle3_operator.render import GROUP, KIND, PLURAL, POD_MONITOR_API_VERSION, VERSION
+from eagle3_operator.constants import CHILD_KINDS
+from eagle3_operator.settings import OperatorConfig
 from eagle3_operator.status import timestamp
 
-FIELD_MANAGER = "eagle3-operator"
-REQUEST_TIMEOUT_SECONDS = 15.0
 DISCOVERY_TTL_SECONDS = 300.0
 
 # The kinds the operator owns, by (apiVersion, kind) → plural.
-CHILD_PLURALS = {
-    ("apps/v1", "Deployment"): "deployments",
-    ("v1", "Service"): "services",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    (POD_MONITOR_API_VERSION, "PodMonitor"): "podmonitors",
-}
+CHILD_PLURALS = {(child.api_version, child.kind): child.plural for child in CHILD_KINDS}
 
 
 class KubeError(Exception):
@@ -61,13 +56,15 @@ def object_path(api_version: str, kind: str, namespace: str, name: str) -> str:
 
 
 class KubeApi:
-    def __init__(self, api_client: aio_client.ApiClient, timeout: float = REQUEST_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self, api_client: aio_client.ApiClient, timeout: float = OperatorConfig.api_timeout_seconds
+    ) -> None:
         self._api = api_client
         self._timeout = timeout
         self._discovered: dict[str, tuple[float, bool]] = {}  # group/version -> (when asked, served)
 
     @classmethod
-    async def connect(cls, timeout: float = REQUEST_TIMEOUT_SECONDS) -> "KubeApi":
+    async def connect(cls, timeout: float = OperatorConfig.api_timeout_seconds) -> "KubeApi":
         """In a pod: its ServiceAccount. Elsewhere: $KUBECONFIG (or ~/.kube/config)."""
         configuration = aio_client.Configuration()
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -98,7 +95,7 @@ class KubeApi:
                 raise
 
     async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        path = f"{collection_path(f'{GROUP}/{VERSION}', PLURAL, namespace)}/{quote(name)}/status"
+        path = f"{collection_path(API_VERSION, PLURAL, namespace)}/{quote(name)}/status"
         query = [("fieldManager", FIELD_MANAGER)]
         return await self._request("PATCH", path, query, {"status": patch}, "application/merge-patch+json")
 
@@ -110,7 +107,7 @@ class KubeApi:
             "kind": "Event",
             "metadata": {"generateName": f"{target.name}.", "namespace": target.namespace},
             "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
+                "apiVersion": API_VERSION,
                 "kind": KIND,
                 "name": target.name,
                 "namespace": target.namespace,

@@ -20,16 +20,10 @@ from typing import Any, TypeVar
 from kubernetes.utils import parse_quantity
 
 from eagle3_operator import metrics
+from eagle3_operator.constants import CHILD_KINDS, LABEL_INSTANCE, POD_MONITOR_API_VERSION
 from eagle3_operator.kube import KubeApi, KubeError, TargetRef
 from eagle3_operator.probe import Prober
-from eagle3_operator.render import (
-    LABEL_INSTANCE,
-    POD_MONITOR_API_VERSION,
-    build_children,
-    label_selector,
-    selector_labels,
-    service_url,
-)
+from eagle3_operator.render import build_children, label_selector, selector_labels, service_url
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_operator.status import (
     DeploymentView,
@@ -51,7 +45,7 @@ MAX_CONCURRENT_RECONCILES = 32
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # Children whose kind has no index (its CRD may not even exist): applied when the rendering changes only, and
 # deleted when no longer rendered if this operator process applied them.
-UNWATCHED_KINDS = frozenset({"PodMonitor"})
+UNWATCHED_KINDS = frozenset(child.kind for child in CHILD_KINDS if not child.watched)
 REJECTED = (400, 422)  # the API server will not take the child as rendered: no retry can help
 
 

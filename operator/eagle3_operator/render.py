@@ -11,15 +11,18 @@ import re
 from importlib.metadata import version
 from typing import Any
 
-from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
+from eagle3_target.protocol import API_VERSION, KIND
 
-GROUP = "eagle3.dev"
-VERSION = "v1alpha1"
-PLURAL = "eagle3targets"
-KIND = "Eagle3Target"
-API_VERSION = f"{GROUP}/{VERSION}"
-# prometheus-operator's API, served only where its CRDs are installed.
-POD_MONITOR_API_VERSION = "monitoring.coreos.com/v1"
+from eagle3_operator.constants import (
+    APP_NAME,
+    COMPONENT,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    LABEL_NAME,
+    MANAGED_LABELS,
+    POD_MONITOR_API_VERSION,
+)
+from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
 # Targets that name no image run the server release matching this operator.
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
@@ -34,13 +37,6 @@ RUN_AS_GROUP = 0
 STARTUP_PERIOD_SECONDS = 10
 NAME_LIMIT = 63
 _HASH_LENGTH = 8
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-APP_NAME = "eagle3-target"
-MANAGER = "eagle3-operator"
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -92,8 +88,8 @@ def label_selector(target_name: str) -> str:
 def _labels(target_name: str) -> dict[str, str]:
     return {
         **selector_labels(target_name),
-        LABEL_COMPONENT: "target-server",
-        LABEL_MANAGED_BY: MANAGER,
+        LABEL_COMPONENT: COMPONENT,
+        **MANAGED_LABELS,
     }
 
 

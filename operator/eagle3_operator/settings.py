@@ -5,21 +5,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import kopf
+from eagle3_target.protocol import FIELD_MANAGER, GROUP
 
-from eagle3_operator.render import LABEL_MANAGED_BY, MANAGER
+from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
 
 # Project-prefixed names, so kopf's markers (should any ever be written) are recognisably ours.
-PERSISTENCE_PREFIX = "eagle3.dev"
+PERSISTENCE_PREFIX = GROUP
 # Only the operator's own children are watched: the API server filters, so memory does not grow with
 # every pod in the cluster.
-CHILD_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGER}"
-# The child kinds the operator creates and watches (by plural, as kopf resource selectors); plus their pods.
-CHILD_RESOURCES = {
-    "deployments": ("apps", "v1", "deployments"),
-    "services": ("v1", "services"),
-    "poddisruptionbudgets": ("policy", "v1", "poddisruptionbudgets"),
-}
-POD_RESOURCE = ("v1", "pods")
+CHILD_SELECTOR = ",".join(f"{key}={value}" for key, value in MANAGED_LABELS.items())
 # The characters that make a kopf namespace pattern more than one exact name: globs, negation, lists.
 NAMESPACE_PATTERN_CHARACTERS = frozenset("*?!,")
 
@@ -51,11 +45,11 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     settings.watching.server_timeout = config.watch_timeout_seconds
     settings.watching.client_timeout = config.watch_timeout_seconds + 30
     settings.watching.connect_timeout = 10.0
-    for selector in (POD_RESOURCE, *CHILD_RESOURCES.values()):
+    for selector in (POD_SELECTOR, *(child.selector for child in WATCHED_CHILD_KINDS)):
         settings.watching.label_selectors[selector] = CHILD_SELECTOR
     settings.persistence.finalizer = f"{PERSISTENCE_PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PERSISTENCE_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=PERSISTENCE_PREFIX)
     # The reconciler posts its own, deduplicated events on transitions; log lines stay in the log.
     settings.posting.level = logging.WARNING
-    settings.posting.reporting_component = MANAGER
+    settings.posting.reporting_component = FIELD_MANAGER

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
+from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.cluster.access import Cluster
 from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, free_port, wait_for
@@ -21,7 +22,6 @@ from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, free_port
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 NAMESPACE_PREFIX = "e3op-"
-GROUP, VERSION, PLURAL = "eagle3.dev", "v1alpha1", "eagle3targets"
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
         )
         try:
             target = {
-                "apiVersion": f"{GROUP}/{VERSION}",
+                "apiVersion": API_VERSION,
                 "kind": "Eagle3Target",
                 "metadata": {"name": "warmup"},
                 "spec": {"model": {"name": "warmup"}, "endpoint": {"url": f"http://127.0.0.1:{free_port()}"}},

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from eagle3_operator import render
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
+from eagle3_target.protocol import API_VERSION, KIND, PLURAL
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "eagle3targets.eagle3.dev.yaml"
@@ -22,7 +23,7 @@ HF = {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "hf-cache", "tokenSe
 
 
 def target(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": render.API_VERSION, "kind": render.KIND, "metadata": {"name": name}, "spec": spec}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
 
 
 def with_model(source: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def targets(cluster) -> kubernetes.dynamic.Resource:
     )
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/eagle3targets.eagle3.dev")
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
-    return client.resources.get(api_version=render.API_VERSION, kind=render.KIND)
+    return client.resources.get(api_version=API_VERSION, kind=KIND)
 
 
 def rejection(targets: kubernetes.dynamic.Resource, namespace: str, body: dict[str, Any]) -> str:
@@ -228,7 +229,7 @@ def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
 
 
 def scale_path(namespace: str, name: str) -> str:
-    return f"/apis/{render.API_VERSION}/namespaces/{namespace}/{render.PLURAL}/{name}/scale"
+    return f"/apis/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}/scale"
 
 
 def test_status_is_written_only_through_its_subresource(targets, namespace):

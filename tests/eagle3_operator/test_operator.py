@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 import kubernetes
 import pytest
+from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.cluster import nodes
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.conftest import AUTH_TOKEN, GROUP, PLURAL, VERSION
+from tests.eagle3_operator.conftest import AUTH_TOKEN
 from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
 
 pytestmark = pytest.mark.usefixtures("operator")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("operator")
 
 def target_manifest(name: str, port: int, **spec: Any) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": API_VERSION,
         "kind": "Eagle3Target",
         "metadata": {"name": name},
         "spec": {

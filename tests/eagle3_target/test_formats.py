@@ -4,13 +4,8 @@ import pytest
 import torch
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch, project_to_draft_vocab
-from eagle3_target.formats import (
-    FORMATS,
-    batch_from_supervision,
-    logits_from_hidden,
-    probs_from_draft,
-    supervision,
-)
+from eagle3_target.formats import batch_from_supervision, logits_from_hidden, probs_from_draft, supervision
+from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.wire import tensors as tensor_wire
 

@@ -28,6 +28,7 @@ from eagle3_target.client.errors import (
     TargetCRDMissing,
     TargetNotFound,
 )
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
@@ -38,9 +39,9 @@ POLL_INTERVAL_S = 2.0
 class TargetResource:
     """Where the Eagle3Target API lives; a parameter so other (or absent) API versions can be addressed."""
 
-    group: str = "eagle3.dev"
-    version: str = "v1alpha1"
-    plural: str = "eagle3targets"
+    group: str = GROUP
+    version: str = VERSION
+    plural: str = PLURAL
 
 
 EAGLE3_TARGET = TargetResource()

@@ -26,12 +26,10 @@ from eagle3_target.client.resolve import ResolvedTarget, api_client_from_environ
 from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
+from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES
 from eagle3_target.wire.tensors import decode, encode
 
 RETRYABLE_STATUS = (429, 503)
-WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
-NEEDS_VOCAB = ("draft", "probs")
-HALF_PRECISION_LOGITS = ("bfloat16", "float16")  # the `dtype` values /v1/supervision takes besides fp32
 
 
 class TargetClient:
@@ -152,7 +150,7 @@ class TargetClient:
         """The raw, unshifted tensors of one format for the batch (see DESIGN §3's format table)."""
         if isinstance(vocab, VocabMapping):
             vocab = self.register_vocab(vocab)
-        if format in NEEDS_VOCAB and vocab is None:
+        if format in FORMATS and FORMATS[format].needs_vocab and vocab is None:
             raise ValueError(f"format {format!r} needs a draft vocabulary: pass vocab= (a VocabMapping)")
         tensors = {"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous()}
         if attention_mask is not None:
@@ -179,13 +177,14 @@ class TargetClient:
         """
         # Half-precision models' full logits come in the model dtype, as the in-process backend has them
         # (the server's default is fp32, which every other model dtype gets).
-        model_dtype = self.info()["dtype"] if format == "logits" else None
-        dtype = model_dtype if model_dtype in HALF_PRECISION_LOGITS else None
+        takes_dtype = format in FORMATS and FORMATS[format].takes_dtype
+        model_dtype = self.info()["dtype"] if takes_dtype else None
+        dtype = model_dtype if model_dtype in LOGITS_DTYPES[1:] else None
         raw = self.supervise(
             input_ids,
             attention_mask,
             format=format,
-            vocab=mapping if format in NEEDS_VOCAB else None,
+            vocab=mapping if format in FORMATS and FORMATS[format].needs_vocab else None,
             dtype=dtype,
         )
         lm_head = self.weight("lm_head") if format == "hidden" else None

@@ -12,8 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from eagle3_target import formats
 from eagle3_target.contract import VocabMapping
+from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, OCTET_STREAM, WEIGHT_NAMES, TargetInfo
 from eagle3_target.server.auth import BearerAuthMiddleware, read_token_file
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
@@ -22,13 +22,9 @@ from eagle3_target.server.nemo_compat import nemo_router
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.settings import ServerSettings, mapping_body_limit
 from eagle3_target.server.state import ServerState
-from eagle3_target.server.target import WEIGHTS, supervision_compute, validate_token_batch, weight_tensor
+from eagle3_target.server.target import supervision_compute, validate_token_batch, weight_tensor
 from eagle3_target.wire import tensors as tensor_wire
 
-OCTET_STREAM = "application/octet-stream"
-LOGITS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_FORMATS = ("logits",)
-VOCAB_FORMATS = ("draft", "probs")
 _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -68,8 +64,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
         state.require_target()
         return {"status": "ready"}
 
-    @app.get("/v1/info")
-    async def info() -> dict[str, object]:
+    @app.get("/v1/info", response_model=TargetInfo)
+    async def info() -> TargetInfo:
         return state.require_target().info
 
     @app.get("/metrics")
@@ -82,13 +78,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
         request: Request, format: str = "hidden", vocab: str | None = None, dtype: str | None = None
     ) -> Response:
         target = state.require_target()
-        if format not in formats.FORMATS:
-            raise Unprocessable(f"unknown format {format!r}; expected one of {list(formats.FORMATS)}")
+        spec = FORMATS.get(format)
+        if spec is None:
+            raise Unprocessable(f"unknown format {format!r}; expected one of {list(FORMATS)}")
         if dtype is not None and dtype not in LOGITS_DTYPES:
             raise Unprocessable(f"unknown dtype {dtype!r}; expected one of {list(LOGITS_DTYPES)}")
-        if dtype is not None and format not in DTYPE_FORMATS:
-            raise Unprocessable(f"dtype applies to formats {list(DTYPE_FORMATS)} only, not {format!r}")
-        if format in VOCAB_FORMATS and vocab is None:
+        if dtype is not None and not spec.takes_dtype:
+            dtype_formats = [name for name, each in FORMATS.items() if each.takes_dtype]
+            raise Unprocessable(f"dtype applies to formats {dtype_formats} only, not {format!r}")
+        if spec.needs_vocab and vocab is None:
             raise Unprocessable(f"format {format!r} needs a draft vocabulary: pass vocab=<mapping id>")
         mapping = None
         if vocab is not None:
@@ -106,7 +104,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 max_batch_tokens=settings.max_batch_tokens,
             )
         )
-        logits_dtype = LOGITS_DTYPES[dtype or "float32"]
+        logits_dtype = getattr(torch, dtype or LOGITS_DTYPES[0])
         job = EngineJob(
             batch_key=("supervision", format, logits_dtype, mapping.digest() if mapping else None),
             inputs=inputs,
@@ -116,7 +114,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         metadata = {
             "format": format,
             "fingerprint": target.fingerprint,
-            "aux_layer_ids": json.dumps(target.info["aux_layer_ids"]),
+            "aux_layer_ids": json.dumps(target.info.aux_layer_ids),
         }
         if vocab is not None:
             metadata["vocab"] = vocab
@@ -148,8 +146,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/weights/{name}")
     async def weights(name: str) -> Response:
-        if name not in WEIGHTS:
-            raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHTS)}")
+        if name not in WEIGHT_NAMES:
+            raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")
         target = state.require_target()
         weight = await run_in_threadpool(weight_tensor, target, name)
         metadata = {"name": name, "fingerprint": target.fingerprint}

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from eagle3_target.contract import VocabMapping
+from eagle3_target.protocol import OCTET_STREAM
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
@@ -26,7 +27,6 @@ from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
 
-OCTET_STREAM = "application/octet-stream"
 OK = {"status": "ok"}
 
 
@@ -59,10 +59,9 @@ def nemo_router(state: ServerState) -> APIRouter:
     @router.post("/model_info")
     async def model_info() -> dict[str, object]:
         target = state.require_target()
-        return {
-            key: target.info[key]
-            for key in ("num_hidden_layers", "hidden_size", "vocab_size", "aux_layer_ids")
-        }
+        return target.info.model_dump(
+            mode="json", include={"num_hidden_layers", "hidden_size", "vocab_size", "aux_layer_ids"}
+        )
 
     @router.post("/input_embeddings")
     async def input_embeddings() -> Response:

@@ -46,7 +46,7 @@ class ServerState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             return
         self.worker.start()
-        self.metrics.model_info.info({k: str(v) for k, v in target.info.items()})
+        self.metrics.model_info.info({k: str(v) for k, v in target.info.model_dump(mode="json").items()})
         self.target = target
         self.metrics.ready.set(1)
         log.info("ready", extra={"fingerprint": target.fingerprint})

@@ -16,6 +16,7 @@ from torch import Tensor
 import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
+from eagle3_target.protocol import FORMATS, TargetInfo
 from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.batching import Tensors
@@ -42,7 +43,7 @@ class LoadedTarget:
     device: torch.device
     max_model_len: int
     fingerprint: str
-    info: dict[str, object]
+    info: TargetInfo
 
 
 def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
@@ -103,21 +104,21 @@ def load_target(settings: ServerSettings) -> LoadedTarget:
         engine=settings.engine,
         aux_layer_ids=aux_ids,
     )
-    info = {
-        "model": settings.display_name,
-        "revision": settings.revision,
-        "engine": settings.engine,
-        "dtype": dtype_name,
-        "num_hidden_layers": facts.num_hidden_layers,
-        "hidden_size": facts.hidden_size,
-        "vocab_size": facts.vocab_size,
-        "aux_layer_ids": aux_ids,
-        "fingerprint": fingerprint,
-        "formats": list(formats.FORMATS),
-        "max_batch_tokens": settings.max_batch_tokens,
-        "max_model_len": int(max_len),
-        "version": eagle3_target.__version__,
-    }
+    info = TargetInfo(
+        model=settings.display_name,
+        revision=settings.revision,
+        engine=settings.engine,
+        dtype=dtype_name,
+        num_hidden_layers=facts.num_hidden_layers,
+        hidden_size=facts.hidden_size,
+        vocab_size=facts.vocab_size,
+        aux_layer_ids=aux_ids,
+        fingerprint=fingerprint,
+        formats=list(FORMATS),
+        max_batch_tokens=settings.max_batch_tokens,
+        max_model_len=int(max_len),
+        version=eagle3_target.__version__,
+    )
     return LoadedTarget(
         runner=runner,
         num_hidden_layers=facts.num_hidden_layers,
@@ -131,11 +132,8 @@ def load_target(settings: ServerSettings) -> LoadedTarget:
     )
 
 
-WEIGHTS = ("input_embeddings", "lm_head", "final_norm")
-
-
 def weight_tensor(target: LoadedTarget, name: str) -> Tensor:
-    """One of ``WEIGHTS`` as the contiguous CPU tensor the wire formats encode."""
+    """One of `protocol.WEIGHT_NAMES` as the contiguous CPU tensor the wire formats encode."""
     getters = {
         "input_embeddings": target.runner.input_embedding_weight,
         "lm_head": target.runner.lm_head_weight,

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from eagle3_target.client.resolve import EAGLE3_TARGET
+from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.eagle3_target.server.server_process import ServerProcess, launch
 
 TOKEN = "s3cret-token"
 REPO = Path(__file__).resolve().parents[3]
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
-GROUP, VERSION, PLURAL = EAGLE3_TARGET.group, EAGLE3_TARGET.version, EAGLE3_TARGET.plural
 MODEL_STATUS = {
     "name": "tiny-llama",
     "revision": "r1",
@@ -43,7 +42,7 @@ def token_batch(seed: int, batch: int = 2, seq: int = 16, vocab: int = 256) -> t
 
 def create_target(objects, namespace: str, name: str) -> dict:
     body = {
-        "apiVersion": f"{GROUP}/{VERSION}",
+        "apiVersion": API_VERSION,
         "kind": "Eagle3Target",
         "metadata": {"name": name},
         "spec": {

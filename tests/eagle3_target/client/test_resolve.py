@@ -21,9 +21,10 @@ from eagle3_target.client import (
     resolve,
 )
 from eagle3_target.client.resolve import TargetResource, readiness
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
 from tests.cluster.waiting import free_port
-from tests.eagle3_target.client.helpers import GROUP, PLURAL, VERSION, create_target, status, write_status
+from tests.eagle3_target.client.helpers import create_target, status, write_status
 
 
 def still_waiting(thread: threading.Thread) -> bool:

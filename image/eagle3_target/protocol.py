@@ -1,0 +1,67 @@
+"""What crosses the wire or the Kubernetes API, in one place that server, client and operator all import.
+
+Torch-free on purpose: the operator image ships this package without torch, and reads only these names.
+The server's computations live in `formats`; this module says what each format is called, which tensors
+it carries and which query parameters it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+# The Eagle3Target custom resource (crds/eagle3targets.eagle3.dev.yaml).
+GROUP = "eagle3.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "Eagle3Target"
+PLURAL = "eagle3targets"
+# The operator's name wherever the API records who wrote something: server-side apply, events, labels.
+FIELD_MANAGER = "eagle3-operator"
+
+OCTET_STREAM = "application/octet-stream"
+# GET /v1/weights/{name}.
+WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
+# The `dtype` values /v1/supervision takes for formats that take one; the first is the default.
+LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Format:
+    """One supervision format as the API sees it: its tensors and the query parameters it takes."""
+
+    tensors: tuple[str, ...]
+    needs_vocab: bool = False  # computed in a draft vocabulary: `vocab=<mapping id>` is required
+    takes_dtype: bool = False  # full-vocab logits whose dtype `dtype=` picks
+
+
+FORMATS: dict[str, Format] = {
+    "hidden": Format(("aux_hidden_states", "final_hidden")),
+    "draft": Format(("aux_hidden_states", "draft_logits", "logsumexp", "argmax"), needs_vocab=True),
+    "probs": Format(("aux_hidden_states", "target_probs", "position_mask"), needs_vocab=True),
+    "logits": Format(("aux_hidden_states", "logits"), takes_dtype=True),
+}
+
+
+class TargetInfo(BaseModel):
+    """GET /v1/info: the served model and the limits a client must respect.
+
+    Readers ignore fields they do not know, so a newer server still answers an older client or operator.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: str
+    revision: str | None = None
+    engine: str
+    dtype: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    fingerprint: str
+    formats: list[str]
+    max_batch_tokens: int
+    max_model_len: int
+    version: str

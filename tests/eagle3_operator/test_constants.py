@@ -1,0 +1,35 @@
+"""The child-kind table covers exactly what the renderer builds, and every child carries the watched label."""
+
+from eagle3_operator import render
+from eagle3_operator.constants import CHILD_KINDS, MANAGED_LABELS, WATCHED_CHILD_KINDS
+from eagle3_operator.kube import object_path
+from eagle3_operator.spec import Eagle3TargetSpec
+
+UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
+
+
+def test_the_table_lists_every_rendered_kind_once():
+    spec = Eagle3TargetSpec.parse(
+        {
+            "model": {"name": "tiny", "source": {"pvc": {"claimName": "models"}}},
+            "replicas": 2,
+            "monitoring": {"podMonitor": {"enabled": True}},
+        }
+    )
+    rendered = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=True)
+    table = {(child.api_version, child.kind) for child in CHILD_KINDS}
+    assert {(child["apiVersion"], child["kind"]) for child in rendered} == table
+    assert len(table) == len(CHILD_KINDS)
+    plurals = {child.kind: child.plural for child in CHILD_KINDS}
+    for child in rendered:
+        assert MANAGED_LABELS.items() <= child["metadata"]["labels"].items()
+        path = object_path(child["apiVersion"], child["kind"], "ml", "tiny")
+        assert path.endswith(f"/namespaces/ml/{plurals[child['kind']]}/tiny")
+
+
+def test_kopf_selectors_name_group_version_and_plural():
+    assert {child.selector for child in WATCHED_CHILD_KINDS} == {
+        ("apps", "v1", "deployments"),
+        ("v1", "services"),
+        ("policy", "v1", "poddisruptionbudgets"),
+    }
