@@ -8,6 +8,7 @@ it carries and which query parameters it takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
@@ -65,3 +66,32 @@ class TargetInfo(BaseModel):
     max_batch_tokens: int
     max_model_len: int
     version: str
+
+
+# ---- the server's start-up, as /readyz and the container's exit report it ----------------------------
+
+# How `eagle3-target serve` exits when it cannot serve: 2 for settings it refuses (the CLI's usage error),
+# 3 when the model does not load. Either way its termination message says what and what to do.
+EXIT_INVALID_SETTINGS = 2
+EXIT_LOAD_FAILED = 3
+SERVER_FAILURE_EXIT_CODES = (EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED)
+
+
+class LoadPhase(StrEnum):
+    STARTING = "starting"
+    WAITING_FOR_WEIGHTS = "waiting_for_weights"  # weights still arriving in the model directory
+    LOADING = "loading"  # the engine loads the weights (vLLM also compiles and captures CUDA graphs)
+    CANARY = "canary"  # the start-up check of the loaded model's outputs
+    FAILED = "failed"
+
+
+class LoadProgress(BaseModel):
+    """The `loading` member of a 503 from /readyz (and every route that needs the model) while it loads."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    phase: LoadPhase
+    message: str
+    done: int | None = None
+    total: int | None = None
+    elapsed_seconds: float = 0.0

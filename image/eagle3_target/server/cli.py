@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -54,14 +54,33 @@ def serve(
         str | None, typer.Option(envvar=ENV + "REVISION", help="Revision in /v1/info.")
     ] = None,
     log_level: Annotated[str, typer.Option(envvar=ENV + "LOG_LEVEL")] = "INFO",
+    termination_log: Annotated[
+        Path,
+        typer.Option(
+            envvar=ENV + "TERMINATION_LOG",
+            help="Where a failed start writes its one-line reason, if the file exists (Kubernetes makes it).",
+        ),
+    ] = Path("/dev/termination-log"),
 ) -> None:
-    """Serve a frozen target model's EAGLE-3 supervision over HTTP."""
+    """Serve a frozen target model's EAGLE-3 supervision over HTTP.
+
+    Exits 2 for settings it refuses and 3 when the model cannot be loaded, with one line saying what and what
+    to do on stderr and in the termination log. Weights still arriving in the model directory are waited for.
+    """
     import uvicorn
 
+    from eagle3_target.protocol import EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED
     from eagle3_target.server.app import create_app
     from eagle3_target.server.http_protocol import JsonErrorHTTPProtocol
+    from eagle3_target.server.loading import LoadFailed, failure_line, preflight, write_termination_message
     from eagle3_target.server.logs import configure_json_logging
     from eagle3_target.server.settings import ServerSettings, parse_engine_args
+    from eagle3_target.server.target import engine_kwargs
+
+    def refuse(line: str, code: int) -> NoReturn:
+        write_termination_message(termination_log, line)
+        typer.echo(f"eagle3-target serve: {line}", err=True)
+        raise typer.Exit(code)
 
     try:
         settings = ServerSettings(
@@ -80,15 +99,29 @@ def serve(
             trust_remote_code=trust_remote_code,
             model_name=model_name,
             revision=revision,
+            termination_log=termination_log,
         )
     except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        action = "fix the server's flags or EAGLE3_TARGET_* variables"
+        refuse(f"invalid setting: {exc}; {action}", EXIT_INVALID_SETTINGS)
+    try:  # What is refused at once never binds the port.
+        preflight(settings.model, settings.engine, engine_kwargs(settings))
+    except LoadFailed as exc:
+        refuse(failure_line(exc), EXIT_LOAD_FAILED)
     configure_json_logging(log_level.upper())
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        timeout_keep_alive=KEEP_ALIVE_SECONDS,
-        http=JsonErrorHTTPProtocol,
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            http=JsonErrorHTTPProtocol,
+        )
     )
+    state = app.state.server
+    state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if state.loading.failure is not None:
+        raise typer.Exit(EXIT_LOAD_FAILED)  # the loader already logged and wrote the line

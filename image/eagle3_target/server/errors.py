@@ -23,13 +23,16 @@ class ApiError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, headers: dict[str, str] | None = None, details: dict[str, object] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.details = details or {}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.type, self.message, self.headers)
+        return error_response(self.status, self.type, self.message, self.headers, self.details)
 
 
 class BadRequest(ApiError):
@@ -61,9 +64,15 @@ class NotReady(ApiError):
 
 
 def error_response(
-    status: int, type_: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    type_: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    details: dict[str, object] | None = None,
 ) -> JSONResponse:
-    return JSONResponse({"error": {"type": type_, "message": message}}, status_code=status, headers=headers)
+    """The error body; `details` are members beside "error" that say more (a 503's load progress)."""
+    body = {"error": {"type": type_, "message": message}, **(details or {})}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -30,6 +30,8 @@ class ServerSettings:
     model_name: str | None = None
     revision: str | None = None
     max_vocab_mappings: int = 64
+    # Where a failed start writes its one-line reason: the path Kubernetes reads (terminationMessagePath).
+    termination_log: Path = Path("/dev/termination-log")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 from eagle3_target.contract import VocabMapping
-from eagle3_target.runners import InvalidInput
+from eagle3_target.protocol import LoadPhase
+from eagle3_target.runners import InvalidInput, ModelRefused
 from eagle3_target.server.batching import EngineJob, EngineWorker, Tensors
 from eagle3_target.server.errors import NotReady, Unprocessable
+from eagle3_target.server.loading import LoadFailed, LoadTracker, failure_line, write_termination_message
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import LoadedTarget, load_target
@@ -30,7 +33,10 @@ class ServerState:
         self.mappings: LruDict[VocabMapping] = LruDict(settings.max_vocab_mappings)
         self.nemo_bindings = NemoMappingBindings()
         self.target: LoadedTarget | None = None
-        self.load_error: str | None = None
+        self.loading = LoadTracker()
+        # Called (from the loader thread) once a load has failed: the CLI stops the server then, which
+        # exits non-zero. Embedded servers (tests) keep answering 503 with the reason instead.
+        self.on_load_failure: Callable[[], None] = lambda: None
         self._loader = threading.Thread(target=self._load, name="eagle3-loader", daemon=True)
 
     def start_loading(self) -> None:
@@ -40,10 +46,13 @@ class ServerState:
     def _load(self) -> None:
         log.info("loading model", extra={"model": self.settings.model, "engine": self.settings.engine})
         try:
-            target = load_target(self.settings)
+            target = load_target(self.settings, self.loading)
         except Exception as exc:
-            log.exception("model load or canary failed")
-            self.load_error = f"{type(exc).__name__}: {exc}"
+            line = failure_line(exc)
+            log.error("model load failed: %s", line, exc_info=not isinstance(exc, LoadFailed | ModelRefused))
+            write_termination_message(self.settings.termination_log, line)
+            self.loading.fail(line)
+            self.on_load_failure()
             return
         self.worker.start()
         self.metrics.model_info.info({k: str(v) for k, v in target.info.model_dump(mode="json").items()})
@@ -58,12 +67,14 @@ class ServerState:
             self.target.runner.close()
 
     def require_target(self) -> LoadedTarget:
-        """The loaded target, or 503 while loading (or after a failed load, with its reason)."""
+        """The loaded target, or 503 with the load's phase and progress (or, after a failed load, why)."""
         if self.target is not None:
             return self.target
-        if self.load_error is not None:
-            raise NotReady(f"model failed to load: {self.load_error}")
-        raise NotReady("model is loading", headers={"Retry-After": "5"})
+        progress = self.loading.snapshot()
+        details: dict[str, object] = {"loading": progress.model_dump(mode="json")}
+        if progress.phase is LoadPhase.FAILED:
+            raise NotReady(f"model failed to load: {progress.message}", details=details)
+        raise NotReady(f"model is loading: {progress.message}", headers={"Retry-After": "5"}, details=details)
 
     async def run_on_engine(self, job: EngineJob) -> Tensors:
         """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result.

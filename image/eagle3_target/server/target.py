@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -16,12 +17,19 @@ from torch import Tensor
 import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
-from eagle3_target.protocol import FORMATS, TargetInfo
+from eagle3_target.protocol import FORMATS, LoadPhase, TargetInfo
 from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.batching import Tensors
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint
+from eagle3_target.server.loading import (
+    LoadFailed,
+    LoadTracker,
+    preflight,
+    wait_for_weights,
+    weight_loading_progress,
+)
 from eagle3_target.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -29,8 +37,14 @@ log = logging.getLogger(__name__)
 CANARY_TOKENS = 8
 
 
-class CanaryError(RuntimeError):
+class CanaryError(LoadFailed):
     """The model loaded but its first forward produced output that cannot be right."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"the start-up canary failed: {detail}; the checkpoint's weights are broken or --dtype cannot "
+            "represent them: check both"
+        )
 
 
 @dataclass(frozen=True)
@@ -50,7 +64,9 @@ def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
     """Engine-specific keyword arguments: vLLM takes TP and context length; HF runs one process."""
     if settings.engine == "hf":
         if settings.tensor_parallel_size != 1:
-            raise ValueError("the hf engine runs on one device: --tensor-parallel-size must be 1")
+            raise LoadFailed(
+                "the hf engine runs on one device; set --tensor-parallel-size 1 or use --engine vllm"
+            )
         return dict(settings.engine_args)
     extra: dict[str, object] = {"tensor_parallel_size": settings.tensor_parallel_size}
     if settings.max_model_len is not None:
@@ -78,18 +94,39 @@ def run_canary(runner: TargetRunner, *, hidden_size: int, vocab_size: int) -> No
             raise CanaryError(f"canary aux layer {runner.aux_layer_ids[i]} is all zeros")
 
 
-def load_target(settings: ServerSettings) -> LoadedTarget:
-    """Load the runner, run the canary and compute the published identity. Slow: runs off the event loop."""
-    runner = load_runner(
-        settings.engine,
-        settings.model,
-        dtype=settings.dtype,
-        aux_layer_ids=list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
-        trust_remote_code=settings.trust_remote_code,
-        **engine_kwargs(settings),
-    )
+# What each engine does while `load_runner` runs, as the load progress says it.
+LOADING_MESSAGES = {
+    "hf": "loading weights",
+    "vllm": "starting the vLLM engine (loading weights, compiling, capturing CUDA graphs)",
+}
+
+
+def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) -> LoadedTarget:
+    """Check what can be refused at once, wait for weights still arriving, load the runner, run the canary
+    and compute the published identity, reporting each phase to `tracker`. Slow: runs off the event loop.
+    Raises LoadFailed (or the engine's own error) when the model cannot be served."""
+    tracker = tracker or LoadTracker()
+    kwargs = engine_kwargs(settings)
+    preflight(settings.model, settings.engine, kwargs)
+    wait_for_weights(Path(settings.model), tracker)
+    message = LOADING_MESSAGES[settings.engine]
+    tracker.update(LoadPhase.LOADING, message)
+    with weight_loading_progress(tracker, message):
+        runner = load_runner(
+            settings.engine,
+            settings.model,
+            dtype=settings.dtype,
+            aux_layer_ids=list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
+            trust_remote_code=settings.trust_remote_code,
+            **kwargs,
+        )
+    tracker.update(LoadPhase.CANARY, "running the start-up canary")
     facts = model_info(runner)
-    run_canary(runner, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size)
+    try:
+        run_canary(runner, hidden_size=facts.hidden_size, vocab_size=facts.vocab_size)
+    except BaseException:
+        runner.close()
+        raise
     config = text_config(runner.model.config)
     max_len = settings.max_model_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
     # An engine may take fewer tokens than its context (vLLM keeps one slot for the generated token).

@@ -117,7 +117,7 @@ def test_full_queue_answers_429_with_retry_after(restricted_server):
     assert ok.status_code == 200
 
 
-def test_failed_load_stays_alive_but_not_ready(tmp_path: Path):
+def test_an_embedded_server_whose_load_failed_answers_503_with_the_reason(tmp_path: Path):
     empty_model = tmp_path / "no-model"
     empty_model.mkdir()
     app = create_app(ServerSettings(model=str(empty_model), engine="hf"))
@@ -128,6 +128,10 @@ def test_failed_load_stays_alive_but_not_ready(tmp_path: Path):
             time.sleep(0.1)
         error = assert_error(httpx.get(url + "/readyz"), 503, "not_ready")
         assert "config.json" in error["message"]
+        loading = httpx.get(url + "/readyz").json()["loading"]
+        assert (
+            loading["phase"] == "failed" and error["message"] == f"model failed to load: {loading['message']}"
+        )
         assert httpx.get(url + "/healthz").status_code == 200
         assert_error(httpx.get(url + "/v1/info"), 503, "not_ready")
         assert_error(httpx.post(url + "/v1/supervision", content=b"x"), 503, "not_ready")
