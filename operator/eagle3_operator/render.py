@@ -259,6 +259,9 @@ def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
         ),
         "readinessProbe": _probe("/readyz", period=5, failures=3),
         "livenessProbe": _probe("/healthz", period=10, failures=6),
+        # A server that cannot load writes why to /dev/termination-log and exits; one that dies before it
+        # can (a crash, a usage error) still leaves the tail of its log as the container's message.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
     pod: dict[str, Any] = {

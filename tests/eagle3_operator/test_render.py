@@ -171,6 +171,12 @@ def test_startup_probe_budget_is_the_startup_timeout(timeout):
     assert server["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
 
 
+def test_a_failed_start_reports_its_termination_message_or_its_log_tail():
+    server = server_of(make_spec())
+    assert server["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert "terminationMessagePath" not in server  # the default, /dev/termination-log, is where it writes
+
+
 def test_pod_is_locked_down():
     pod, server = pod_of(make_spec()), server_of(make_spec())
     assert pod["securityContext"]["runAsNonRoot"] is True
