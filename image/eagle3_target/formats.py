@@ -1,9 +1,11 @@
-"""The four supervision formats the server ships, computed from one runner output, and their inverses.
+"""The supervision formats the server ships, computed from one runner output, and their inverses.
 
-Server side, `supervision` turns (final hidden, aux) into one format, position-aligned (unshifted).
-Client side, `batch_from_supervision` rebuilds from any format the batch NeMo's co-located HF backend would
-have produced: the shift is applied to the full-vocab quantities *before* the projection, exactly as NeMo
-does, so the zero row the shift appends becomes a uniform draft distribution with an unset position mask.
+Each format is one `Computation` in `COMPUTATIONS` (its names and query parameters are in
+`protocol.FORMATS`). Server side, `supervision` turns (final hidden, aux) into one format, position-aligned
+(unshifted). Client side, `batch_from_supervision` rebuilds from any format the batch NeMo's co-located HF
+backend would have produced: the shift is applied to the full-vocab quantities *before* the projection,
+exactly as NeMo does, so the zero row the shift appends becomes a uniform draft distribution with an unset
+position mask.
 
 Exactness: every format is the same math as on the full logits `final_hidden @ lm_head.T` in the model
 dtype (the HF lm_head's path). When `chunk_tokens` covers the whole batch the GEMM is literally the one the
@@ -12,6 +14,9 @@ fp32 BLAS kernels, can move a logit by an ulp.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -55,6 +60,116 @@ def probs_from_draft(
     return target_probs, position_mask
 
 
+def _full_logits(
+    logits: Tensor, mapping: VocabMapping | None, logits_dtype: torch.dtype
+) -> dict[str, Tensor]:
+    return {"logits": logits.to(logits_dtype)}
+
+
+def _draft_logits(
+    logits: Tensor, mapping: VocabMapping | None, logits_dtype: torch.dtype
+) -> dict[str, Tensor]:
+    assert mapping is not None  # protocol.FORMATS: needs_vocab
+    return {
+        "draft_logits": logits.index_select(-1, mapping.selected_token_ids),
+        "logsumexp": torch.logsumexp(logits.float(), dim=-1),
+        "argmax": logits.argmax(dim=-1),
+    }
+
+
+def _draft_probs(
+    logits: Tensor, mapping: VocabMapping | None, logits_dtype: torch.dtype
+) -> dict[str, Tensor]:
+    assert mapping is not None  # protocol.FORMATS: needs_vocab
+    draft = logits.index_select(-1, mapping.selected_token_ids)
+    return {
+        "target_probs": torch.softmax(draft.float(), dim=-1),
+        "position_mask": mapping.selected_token_mask[logits.argmax(dim=-1)],
+    }
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """What the client needs to rebuild the trainer's batch from one format's tensors (all unshifted)."""
+
+    tensors: dict[str, Tensor]
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    mapping: VocabMapping | None
+    lm_head_weight: Tensor | None
+
+    def full_vocab(self, logits: Tensor) -> Eagle3TargetBatch:
+        return build_batch(
+            logits,
+            self.tensors["aux_hidden_states"],
+            self.input_ids,
+            self.attention_mask,
+            self.loss_mask,
+            self.mapping,
+        )
+
+    def draft_vocab(self, target_probs: Tensor, position_mask: Tensor) -> Eagle3TargetBatch:
+        """The batch from already shifted draft-vocab probabilities and position mask."""
+        return Eagle3TargetBatch(
+            aux_hidden_states=self.tensors["aux_hidden_states"],
+            input_ids=shift_left(self.input_ids),
+            attention_mask=self.attention_mask,
+            loss_mask=shift_left(self.loss_mask),
+            target_probs=target_probs,
+            position_mask=position_mask,
+        )
+
+
+def _rebuild_hidden(r: Rebuild) -> Eagle3TargetBatch:
+    if r.lm_head_weight is None:
+        raise ValueError("format 'hidden' needs the lm_head weight to rebuild the logits")
+    return r.full_vocab(logits_from_hidden(r.tensors["final_hidden"], r.lm_head_weight))
+
+
+def _rebuild_logits(r: Rebuild) -> Eagle3TargetBatch:
+    return r.full_vocab(r.tensors["logits"])
+
+
+def _rebuild_draft(r: Rebuild) -> Eagle3TargetBatch:
+    assert r.mapping is not None  # protocol.FORMATS: needs_vocab
+    target_probs, position_mask = probs_from_draft(
+        shift_left(r.tensors["draft_logits"]),
+        shift_left(r.tensors["argmax"]),
+        r.mapping,
+        shift_left(r.loss_mask),
+    )
+    return r.draft_vocab(target_probs, position_mask)
+
+
+def _rebuild_probs(r: Rebuild) -> Eagle3TargetBatch:
+    probs = r.tensors["target_probs"]
+    # NeMo shifts the logits, so its tail row is the softmax of zeros, not zeros.
+    tail = torch.softmax(torch.zeros_like(probs[:, :1]), dim=-1)
+    position_mask = shift_left(r.tensors["position_mask"]) & shift_left(r.loss_mask).bool()
+    return r.draft_vocab(torch.cat((probs[:, 1:], tail), dim=1), position_mask.unsqueeze(-1))
+
+
+@dataclass(frozen=True)
+class Computation:
+    """One format's math: server side from a chunk of full logits, client side back to the trainer's batch."""
+
+    # A chunk of full logits [N, V] (model dtype) to this format's tensors for those N tokens; None for a
+    # format that ships the final hidden state itself and needs no lm_head on the server.
+    from_logits: Callable[[Tensor, VocabMapping | None, torch.dtype], dict[str, Tensor]] | None
+    rebuild: Callable[[Rebuild], Eagle3TargetBatch]
+    # The format's tensor holding the draft vocabulary, checked against the mapping when rebuilding.
+    draft_vocab_tensor: str | None = None
+
+
+COMPUTATIONS: dict[str, Computation] = {
+    "hidden": Computation(None, _rebuild_hidden),
+    "draft": Computation(_draft_logits, _rebuild_draft, draft_vocab_tensor="draft_logits"),
+    "probs": Computation(_draft_probs, _rebuild_probs, draft_vocab_tensor="target_probs"),
+    "logits": Computation(_full_logits, _rebuild_logits),
+}
+
+
 def _check_format(fmt: str, mapping: VocabMapping | None) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown supervision format {fmt!r}; expected one of {tuple(FORMATS)}")
@@ -77,7 +192,8 @@ def supervision(
     if final_hidden.dim() != 3:
         raise ValueError(f"final_hidden must be [B, S, H], got {tuple(final_hidden.shape)}")
     check_aligned(tuple(final_hidden.shape[:2]), aux)
-    if fmt == "hidden":
+    from_logits = COMPUTATIONS[fmt].from_logits
+    if from_logits is None:
         return {"aux_hidden_states": aux, "final_hidden": final_hidden}
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -88,37 +204,17 @@ def supervision(
     rows = final_hidden.reshape(batch * seq, -1)
     device = rows.device
     lm_head_weight = lm_head_weight.to(device)
-    out: dict[str, Tensor]
-    if fmt == "logits":
-        out = {"logits": torch.empty(batch * seq, vocab, dtype=logits_dtype, device=device)}
-    else:
-        assert mapping is not None  # _check_format requires it for the draft-vocab formats
-        mapping = mapping.to(device)
-        draft_vocab = mapping.draft_vocab_size
-        if fmt == "draft":
-            out = {
-                "draft_logits": torch.empty(batch * seq, draft_vocab, dtype=rows.dtype, device=device),
-                "logsumexp": torch.empty(batch * seq, dtype=torch.float32, device=device),
-                "argmax": torch.empty(batch * seq, dtype=torch.int64, device=device),
-            }
-        else:
-            out = {
-                "target_probs": torch.empty(batch * seq, draft_vocab, dtype=torch.float32, device=device),
-                "position_mask": torch.empty(batch * seq, dtype=torch.bool, device=device),
-            }
-    for start in range(0, batch * seq, chunk_tokens):
+    mapping = mapping.to(device) if mapping is not None else None
+    out: dict[str, Tensor] = {}
+    # At least one (possibly empty) chunk, so that an empty batch still gets its tensors' dtypes and widths.
+    for start in range(0, max(batch * seq, 1), chunk_tokens):
         part = slice(start, start + chunk_tokens)
-        logits = logits_from_hidden(rows[part], lm_head_weight)
-        if fmt == "logits":
-            out["logits"][part] = logits
-        elif fmt == "draft":
-            out["draft_logits"][part] = logits.index_select(-1, mapping.selected_token_ids)
-            out["logsumexp"][part] = torch.logsumexp(logits.float(), dim=-1)
-            out["argmax"][part] = logits.argmax(dim=-1)
-        else:
-            draft = logits.index_select(-1, mapping.selected_token_ids)
-            out["target_probs"][part] = torch.softmax(draft.float(), dim=-1)
-            out["position_mask"][part] = mapping.selected_token_mask[logits.argmax(dim=-1)]
+        for name, value in from_logits(
+            logits_from_hidden(rows[part], lm_head_weight), mapping, logits_dtype
+        ).items():
+            if name not in out:
+                out[name] = torch.empty(batch * seq, *value.shape[1:], dtype=value.dtype, device=device)
+            out[name][part] = value
     result = {"aux_hidden_states": aux}
     result.update({name: t.reshape(batch, seq, *t.shape[1:]) for name, t in out.items()})
     return result
@@ -143,38 +239,16 @@ def batch_from_supervision(
     missing = [name for name in FORMATS[fmt].tensors if name not in tensors]
     if missing:
         raise ValueError(f"format {fmt!r} needs tensors {missing}, got {sorted(tensors)}")
-    aux = tensors["aux_hidden_states"]
-    if fmt in ("hidden", "logits"):
-        if fmt == "hidden":
-            if lm_head_weight is None:
-                raise ValueError("format 'hidden' needs the lm_head weight to rebuild the logits")
-            logits = logits_from_hidden(tensors["final_hidden"], lm_head_weight)
-        else:
-            logits = tensors["logits"]
-        return build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping)
-    assert mapping is not None  # _check_format requires it for the draft-vocab formats
-    draft_vocab = tensors["draft_logits" if fmt == "draft" else "target_probs"].shape[-1]
-    if draft_vocab != mapping.draft_vocab_size:
-        raise ValueError(
-            f"the supervision has {draft_vocab} draft tokens, the mapping {mapping.draft_vocab_size}"
-        )
-    check_aligned(tuple(input_ids.shape), aux, *(tensors[name] for name in FORMATS[fmt].tensors), loss_mask)
-    shifted_loss_mask = shift_left(loss_mask)
-    if fmt == "draft":
-        target_probs, position_mask = probs_from_draft(
-            shift_left(tensors["draft_logits"]), shift_left(tensors["argmax"]), mapping, shifted_loss_mask
-        )
-    else:
-        probs = tensors["target_probs"]
-        # NeMo shifts the logits, so its tail row is the softmax of zeros, not zeros.
-        tail = torch.softmax(torch.zeros_like(probs[:, :1]), dim=-1)
-        target_probs = torch.cat((probs[:, 1:], tail), dim=1)
-        position_mask = (shift_left(tensors["position_mask"]) & shifted_loss_mask.bool()).unsqueeze(-1)
-    return Eagle3TargetBatch(
-        aux_hidden_states=aux,
-        input_ids=shift_left(input_ids),
-        attention_mask=attention_mask,
-        loss_mask=shifted_loss_mask,
-        target_probs=target_probs,
-        position_mask=position_mask,
+    computation = COMPUTATIONS[fmt]
+    if computation.draft_vocab_tensor is not None:
+        assert mapping is not None  # _check_format requires it for the draft-vocab formats
+        draft_vocab = tensors[computation.draft_vocab_tensor].shape[-1]
+        if draft_vocab != mapping.draft_vocab_size:
+            raise ValueError(
+                f"the supervision has {draft_vocab} draft tokens, the mapping {mapping.draft_vocab_size}"
+            )
+        aligned = (tensors[name] for name in FORMATS[fmt].tensors)
+        check_aligned(tuple(input_ids.shape), tensors["aux_hidden_states"], *aligned, loss_mask)
+    return computation.rebuild(
+        Rebuild(tensors, input_ids, attention_mask, loss_mask, mapping, lm_head_weight)
     )

@@ -198,3 +198,10 @@ def test_bad_requests_are_refused(target):
             target["attention_mask"],
             target["loss_mask"],
         )
+
+
+def test_every_protocol_format_has_its_computation_and_ships_its_tensors(target):
+    assert list(formats.COMPUTATIONS) == list(FORMATS)
+    for fmt, meta in FORMATS.items():
+        out = supervision(fmt, target["final"], target["aux"], target["lm_head"], mapping=target["mapping"])
+        assert tuple(out) == meta.tensors, fmt

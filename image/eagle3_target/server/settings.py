@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENGINES = ("vllm", "hf")
+from eagle3_target.runners import DEFAULT_ENGINE, ENGINES
+
 # Input tensors are int64 [B,S]: ids plus attention and loss masks, and headroom for safetensors headers.
 _BODY_BYTES_PER_TOKEN = 3 * 8
 _BODY_SLACK_BYTES = 64 * 1024
@@ -15,7 +16,7 @@ _BODY_SLACK_BYTES = 64 * 1024
 @dataclass(frozen=True)
 class ServerSettings:
     model: str
-    engine: str = "vllm"
+    engine: str = DEFAULT_ENGINE
     dtype: str = "auto"
     aux_layer_ids: tuple[int, ...] | None = None
     tensor_parallel_size: int = 1
@@ -35,7 +36,7 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+            raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {self.engine!r}")
         for name in ("tensor_parallel_size", "max_batch_tokens", "max_queue", "max_vocab_mappings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -18,7 +18,7 @@ import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.protocol import FORMATS, LoadPhase, TargetInfo
-from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
+from eagle3_target.runners import ENGINES, InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.batching import Tensors
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
@@ -61,11 +61,12 @@ class LoadedTarget:
 
 
 def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
-    """Engine-specific keyword arguments: vLLM takes TP and context length; HF runs one process."""
-    if settings.engine == "hf":
+    """Engine-specific keyword arguments: a sharded engine takes TP and context length; others one device."""
+    if not ENGINES[settings.engine].sharded:
         if settings.tensor_parallel_size != 1:
             raise LoadFailed(
-                "the hf engine runs on one device; set --tensor-parallel-size 1 or use --engine vllm"
+                f"the {settings.engine} engine runs on one device; "
+                "set --tensor-parallel-size 1 or use --engine vllm"
             )
         return dict(settings.engine_args)
     extra: dict[str, object] = {"tensor_parallel_size": settings.tensor_parallel_size}

@@ -1,0 +1,43 @@
+"""The engine registry is the one list of engines: the CRD, the operator spec and the server agree with it."""
+
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_target.runners import DEFAULT_ENGINE, ENGINES, ModelRefused, check_engine_args
+from eagle3_target.server.settings import ServerSettings
+
+CRD = Path(__file__).resolve().parents[3] / "crds" / "eagle3targets.eagle3.dev.yaml"
+
+
+def crd_engine_schema() -> dict:
+    (version,) = yaml.safe_load(CRD.read_text())["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+
+
+def test_the_crd_enum_and_default_are_the_registry():
+    schema = crd_engine_schema()
+    assert schema["enum"] == list(ENGINES)
+    assert schema["default"] == DEFAULT_ENGINE
+
+
+def test_the_operator_spec_accepts_exactly_the_registered_engines():
+    annotation = Eagle3TargetSpec.model_fields["engine"].annotation
+    assert list(typing.get_args(annotation)) == list(ENGINES)
+
+
+def test_server_settings_take_the_registered_engines():
+    assert ServerSettings(model="/m").engine == DEFAULT_ENGINE
+    for engine in ENGINES:
+        assert ServerSettings(model="/m", engine=engine).engine == engine
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ServerSettings(model="/m", engine="sglang")
+
+
+def test_an_unknown_engine_is_refused_before_loading():
+    with pytest.raises(ModelRefused, match="unknown engine 'sglang'"):
+        check_engine_args("sglang", {})
+    with pytest.raises(ModelRefused, match="takes no engine arguments"):
+        check_engine_args("hf", {"enforce_eager": True})
