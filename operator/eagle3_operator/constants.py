@@ -14,6 +14,9 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 APP_NAME = "eagle3-target"
 COMPONENT = "target-server"
+# The containers of a target pod: the server, and for Hugging Face sources the init container that downloads.
+SERVER_CONTAINER = "server"
+DOWNLOAD_CONTAINER = "download-model"
 # The label every child carries; the watches select on it, so memory does not grow with the cluster.
 MANAGED_LABELS = {LABEL_MANAGED_BY: FIELD_MANAGER}
 

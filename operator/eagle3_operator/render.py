@@ -16,17 +16,18 @@ from eagle3_target.protocol import API_VERSION, KIND
 from eagle3_operator.constants import (
     APP_NAME,
     COMPONENT,
+    DOWNLOAD_CONTAINER,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_NAME,
     MANAGED_LABELS,
     POD_MONITOR_API_VERSION,
+    SERVER_CONTAINER,
 )
 from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
 # Targets that name no image run the server release matching this operator.
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
-CONTAINER_NAME = "server"
 PORT_NAME = "http"
 MODEL_MOUNT = "/models"
 AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
@@ -220,7 +221,7 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         ref = source.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return {
-        "name": "download-model",
+        "name": DOWNLOAD_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         # original/ holds the checkpoint again in Meta's format, which transformers and vLLM never read.
@@ -230,6 +231,8 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         ],
         "env": env,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        # The Hub's refusal (a gated repo, a bad token, a missing revision) is the last lines of its log.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
 
@@ -243,7 +246,7 @@ def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
         volumes.append({"name": "auth", "secret": {"secretName": spec.auth.token_secret_ref.name}})
         mounts.append({"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
     container = {
-        "name": CONTAINER_NAME,
+        "name": SERVER_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": server_args(spec),
@@ -314,7 +317,7 @@ def build_deployment(
             "template": {
                 "metadata": {
                     "labels": _labels(name),
-                    "annotations": {"kubectl.kubernetes.io/default-container": CONTAINER_NAME},
+                    "annotations": {"kubectl.kubernetes.io/default-container": SERVER_CONTAINER},
                 },
                 "spec": _pod_spec(spec),
             },

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES
+
+from eagle3_operator.constants import DOWNLOAD_CONTAINER, SERVER_CONTAINER
 from eagle3_operator.spec import Eagle3TargetSpec
 
 # The status keys this module owns; anything else under .status is left alone.
@@ -48,6 +51,10 @@ WAITING_FAILURES = {
     "CreateContainerConfigError": "CreateContainerConfigError",
     "CreateContainerError": "CreateContainerError",
 }
+# Containers whose non-zero exit explains why a pod does not serve, with the reason the status reports.
+# The server exits with EXIT_INVALID_SETTINGS or EXIT_LOAD_FAILED (and one line saying why) when it cannot
+# load the model; the download's message is the tail of its log (terminationMessagePolicy in render.py).
+EXIT_FAILURES = {DOWNLOAD_CONTAINER: "ModelDownloadFailed", SERVER_CONTAINER: "ModelLoadFailed"}
 # When several pods fail differently, the reason reported is the first in this order (most actionable).
 FAILURE_PRIORITY = (
     "InvalidSpec",
@@ -55,6 +62,9 @@ FAILURE_PRIORITY = (
     "ImagePullBackOff",
     "CreateContainerConfigError",
     "CreateContainerError",
+    "ModelDownloadFailed",
+    "ModelLoadFailed",
+    "OOMKilled",
     "CrashLoopBackOff",
     "ReplicaFailure",
     "StartupTimeout",
@@ -81,6 +91,7 @@ class PodView:
     created: datetime | None
     started: datetime | None
     failure: Failure | None  # a failure readable from the pod alone (not time-based)
+    progress: str | None = None  # what a pod that does not serve yet is doing, as far as the pod says
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,7 @@ class ProbeResult:
     info: ServerInfo | None = None
     error: str | None = None
     reachable: bool = True
+    progress: str | None = None  # a loading server's own account of its load (the message of its 503)
 
 
 @dataclass(frozen=True)
@@ -177,7 +189,15 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         created=parse_timestamp(metadata.get("creationTimestamp")),
         started=parse_timestamp(status.get("startTime")),
         failure=_pod_failure(conditions.get("PodScheduled") or {}, status),
+        progress=_pod_progress(status),
     )
+
+
+def _pod_progress(status: Mapping[str, Any]) -> str | None:
+    for container in status.get("initContainerStatuses") or []:
+        if container.get("name") == DOWNLOAD_CONTAINER and "running" in (container.get("state") or {}):
+            return f"downloading the model ({DOWNLOAD_CONTAINER} running)"
+    return None
 
 
 def _pod_failure(scheduled: Mapping[str, Any], status: Mapping[str, Any]) -> Failure | None:
@@ -185,12 +205,40 @@ def _pod_failure(scheduled: Mapping[str, Any], status: Mapping[str, Any]) -> Fai
         return Failure("Unschedulable", scheduled.get("message") or "no node fits the pod")
     containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
     for container in containers:
+        failure = _exit_failure(container)
+        if failure is not None:
+            return failure
         waiting = (container.get("state") or {}).get("waiting") or {}
         reason = WAITING_FAILURES.get(waiting.get("reason", ""))
         if reason:
             message = waiting.get("message") or waiting["reason"]
             return Failure(reason, f"container {container.get('name')}: {message}")
     return None
+
+
+def _exit_failure(container: Mapping[str, Any]) -> Failure | None:
+    """Why a container that is not ready last stopped, when its exit says: an OOM kill, or a server (or
+    download) that gave up and said why. Read from the current state or, once the kubelet restarted it,
+    the last one, so the reason shows from the first exit on and stays while it crash-loops."""
+    if container.get("ready"):
+        return None
+    name = container.get("name", "")
+    state, last = container.get("state") or {}, container.get("lastState") or {}
+    terminated = state.get("terminated") or last.get("terminated") or {}
+    code = terminated.get("exitCode", 0)
+    if not code:
+        return None
+    restarts = container.get("restartCount", 0)
+    said = " ".join((terminated.get("message") or "").split())  # a log tail spans lines
+    exited = f"container {name} exited with code {code}, {restarts} restarts"
+    if terminated.get("reason") == "OOMKilled":
+        return Failure(
+            "OOMKilled", f"{exited}: killed at its memory limit; raise spec.resources.limits.memory"
+        )
+    reason = EXIT_FAILURES.get(name)
+    if reason is None or (name == SERVER_CONTAINER and code not in SERVER_FAILURE_EXIT_CODES):
+        return None
+    return Failure(reason, f"{said} ({exited})" if said else exited)
 
 
 def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
@@ -238,10 +286,13 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[st
 
 
 def transitions(previous: Mapping[str, Any], new: Mapping[str, Any]) -> list[Transition]:
-    """Events for conditions whose status or reason changed: Warning for failures, Normal otherwise."""
+    """Events for conditions whose status or reason changed: Warning for failures, Normal otherwise. One
+    event per reason: a failure that turns Ready False and Degraded True at once is one piece of news."""
     before = {c["type"]: c for c in previous.get("conditions") or [] if "type" in c}
-    events = []
+    events: list[Transition] = []
     for condition in new.get("conditions") or []:
+        if any(event.reason == condition["reason"] for event in events):
+            continue
         old = before.get(condition["type"], {})
         if (old.get("status"), old.get("reason")) == (condition["status"], condition["reason"]):
             continue
@@ -373,6 +424,9 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     if unprobed:
         errors = "; ".join(f"{name}: {_probe_error(observation.probes.get(name))}" for name in unprobed)
         detail = f"pods ready but their servers are not: {errors}"
+    loading = [f"{pod.name}: {text}" for pod in pods if (text := _loading(pod, observation))]
+    if loading:
+        detail = f"{detail}; {'; '.join(loading)}"
     conditions = {
         "Ready": ("False", reason, f"{progress}; {detail}"),
         "Progressing": ("True", reason, f"{progress}; {detail}"),
@@ -400,6 +454,14 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> _State
 def _serving(pod: PodView, observation: Observation) -> bool:
     probe = observation.probes.get(pod.name)
     return pod.ready and not pod.terminating and probe is not None and probe.ready and probe.info is not None
+
+
+def _loading(pod: PodView, observation: Observation) -> str | None:
+    """How far a pod that does not serve yet has come: its download, else its server's own load progress."""
+    if pod.ready or pod.terminating:
+        return None
+    probe = observation.probes.get(pod.name)
+    return pod.progress or (probe.progress if probe is not None else None)
 
 
 def _probe_error(probe: ProbeResult | None) -> str:

@@ -365,6 +365,97 @@ def test_pod_view_reads_failures_from_the_pod():
     assert pod_view(running).ready and pod_view(running).failure is None
 
 
+LOAD_FAILED_LINE = "unknown engine argument no_such_arg; supported: block_size, ..."
+
+
+def server_status(**container: Any) -> dict[str, Any]:
+    """A pod whose server container has the given status fields (name, ready and restartCount preset)."""
+    fields = {"name": "server", "ready": False, "restartCount": 0} | container
+    return {
+        "metadata": {"name": "p"},
+        "spec": {"nodeName": "gpu-0"},
+        "status": {"podIP": "127.1.0.9", "conditions": [{"type": "Ready", "status": "False"}],
+                   "containerStatuses": [fields]},
+    }  # fmt: skip
+
+
+def test_pod_view_reads_a_server_that_gave_up_loading_from_its_first_exit_on():
+    terminated = {"exitCode": 3, "reason": "Error", "message": LOAD_FAILED_LINE + "\n"}
+    first_exit = server_status(state={"terminated": terminated})
+    expected = f"{LOAD_FAILED_LINE} (container server exited with code 3, 0 restarts)"
+    assert pod_view(first_exit).failure == Failure("ModelLoadFailed", expected)
+    # Restarted: running (loading again) or backing off, the last exit still explains the pod.
+    backing_off = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed"}}
+    for state in ({"running": {}}, backing_off):
+        view = pod_view(server_status(state=state, lastState={"terminated": terminated}, restartCount=2))
+        assert view.failure == Failure("ModelLoadFailed", expected.replace("0 restarts", "2 restarts"))
+    # Ready again: history is history.
+    recovered = server_status(state={"running": {}}, lastState={"terminated": terminated}, ready=True)
+    assert pod_view(recovered).failure is None
+    # A usage error leaves no termination file; the kubelet's fallback is the log tail, spread on lines.
+    usage = {"exitCode": 2, "reason": "Error", "message": "Usage: eagle3-target serve\nError: No such option"}
+    view = pod_view(server_status(state={"terminated": usage}))
+    assert view.failure.reason == "ModelLoadFailed"
+    assert view.failure.message.startswith("Usage: eagle3-target serve Error: No such option (")
+
+
+def test_pod_view_tells_oom_kills_and_failed_downloads_from_other_crashes():
+    oom = {"exitCode": 137, "reason": "OOMKilled"}
+    view = pod_view(server_status(state={"running": {}}, lastState={"terminated": oom}, restartCount=1))
+    assert view.failure.reason == "OOMKilled" and "spec.resources.limits.memory" in view.failure.message
+    crash = {"exitCode": 139, "reason": "Error", "message": "Segmentation fault"}
+    assert pod_view(server_status(state={"terminated": crash})).failure is None  # not a load failure
+    back_off = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}
+    crash_loop = pod_view(server_status(state=back_off, lastState={"terminated": crash}))
+    assert crash_loop.failure == Failure("CrashLoopBackOff", "container server: back-off 20s")
+    download = server_status(state={"waiting": {"reason": "PodInitializing"}})
+    download["status"]["initContainerStatuses"] = [
+        {"name": "download-model", "ready": False, "restartCount": 1,
+         "lastState": {"terminated": {"exitCode": 1, "message": "401 Client Error: gated repo"}},
+         "state": {"running": {}}}
+    ]  # fmt: skip
+    assert pod_view(download).failure == Failure(
+        "ModelDownloadFailed",
+        "401 Client Error: gated repo (container download-model exited with code 1, 1 restarts)",
+    )
+    download["status"]["initContainerStatuses"][0].pop("lastState")
+    view = pod_view(download)
+    assert view.failure is None and view.progress == "downloading the model (download-model running)"
+
+
+def test_a_server_that_gave_up_loading_fails_the_target_with_its_own_line():
+    failed = make_pod("t-a", ready=False, failure=pod_view(
+        server_status(state={"terminated": {"exitCode": 3, "message": LOAD_FAILED_LINE}})
+    ).failure)  # fmt: skip
+    loading = make_pod("t-b", ready=False, progress="downloading the model (download-model running)")
+    status = compute_status(observe(pods=(failed, loading), probes={}), {}, T0)
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ModelLoadFailed")
+    assert ready["message"].startswith(f"pod t-a: {LOAD_FAILED_LINE} (container server exited")
+    assert status["lastFailure"]["reason"] == "ModelLoadFailed" and status["phase"] == "Failed"
+    events = transitions({}, status)
+    assert [(e.type, e.reason) for e in events] == [
+        ("Warning", "ModelLoadFailed"),
+        ("Warning", "ModelLoadFailed"),
+        ("Warning", "ModelLoadFailed"),
+    ][: len(events)]
+    assert sum(e.message.startswith("Ready=False") for e in events) == 1
+
+
+def test_progressing_shows_how_far_each_loading_pod_has_come():
+    pods = (make_pod("t-a", ready=False), make_pod("t-b", ready=False, progress="downloading the model"))
+    probes = {
+        "t-a": ProbeResult(False, error="/readyz answered 503", progress="loading weights 120/291 tensors"),
+        "t-b": ProbeResult(False, error="not probed yet"),
+    }
+    status = compute_status(observe(pods=pods, probes=probes), {}, T0)
+    progressing = condition(status, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", "Loading")
+    assert progressing["message"] == (
+        "0/2 replicas serving; loading; t-a: loading weights 120/291 tensors; t-b: downloading the model"
+    )
+
+
 def test_deployment_view_reads_replica_failure():
     deployment = {
         "metadata": {"generation": 4},
