@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_target.runners import DEFAULT_ENGINE, ENGINES
+from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
 
 # Input tensors are int64 [B,S]: ids plus attention and loss masks, and headroom for safetensors headers.
 _BODY_BYTES_PER_TOKEN = 3 * 8

@@ -17,8 +17,9 @@ from torch import Tensor
 import eagle3_target
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping, build_batch
+from eagle3_target.engines import ENGINES
 from eagle3_target.protocol import FORMATS, LoadPhase, TargetInfo
-from eagle3_target.runners import ENGINES, InvalidInput, TargetRunner, check_inputs, load_runner, model_info
+from eagle3_target.runners import InvalidInput, TargetRunner, check_inputs, load_runner, model_info
 from eagle3_target.runners.base import ForwardHiddenUnsupported, text_config
 from eagle3_target.server.batching import Tensors
 from eagle3_target.server.errors import PayloadTooLarge, Unprocessable

@@ -1,15 +1,18 @@
 """The engine registry is the one list of engines: the CRD, the operator spec and the server agree with it."""
 
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from eagle3_operator.spec import Eagle3TargetSpec
-from eagle3_target.runners import DEFAULT_ENGINE, ENGINES, ModelRefused, check_engine_args
+from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
+from eagle3_target.runners import ModelRefused, check_engine_args
 from eagle3_target.server.settings import ServerSettings
 
-CRD = Path(__file__).resolve().parents[3] / "crds" / "eagle3targets.eagle3.dev.yaml"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "eagle3targets.eagle3.dev.yaml"
 
 
 def crd_engine_schema() -> dict:
@@ -41,3 +44,9 @@ def test_an_unknown_engine_is_refused_before_loading():
         check_engine_args("sglang", {})
     with pytest.raises(ModelRefused, match="takes no engine arguments"):
         check_engine_args("hf", {"enforce_eager": True})
+
+
+def test_the_registry_imports_without_torch():
+    """The CLI and the operator read it; neither may pay for (or, in the operator image, lack) torch."""
+    code = "import sys; sys.modules['torch'] = None; import eagle3_target.engines"
+    subprocess.run([sys.executable, "-c", code], check=True)
