@@ -9,12 +9,14 @@ import asyncio
 from collections.abc import Mapping
 
 import httpx
+from eagle3_target.protocol import LoadProgress
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eagle3_operator.status import ProbeResult, ServerInfo
 
 PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
 MAX_CONCURRENT_PROBES = 64
+MAX_NOT_READY_BODY = 64 * 1024  # a loading server's 503 is a few hundred bytes; anything larger is not read
 
 
 class _InfoPayload(BaseModel):
@@ -58,11 +60,23 @@ class Prober:
             try:
                 ready = await self._client.get(f"{base}/readyz")
                 if ready.status_code != 200:
-                    return ProbeResult(ready=False, error=f"/readyz answered {ready.status_code}")
+                    return _not_ready(ready)
                 info = await self._client.get(f"{base}/v1/info", headers=headers)
             except httpx.TransportError as error:
                 return ProbeResult(ready=False, reachable=False, error=f"{type(error).__name__}: {error}")
             return _parse_info(info)
+
+
+def _not_ready(response: httpx.Response) -> ProbeResult:
+    """A /readyz refusal; a loading server's 503 also says how far its load has come (LoadProgress)."""
+    error = f"/readyz answered {response.status_code}"
+    if len(response.content) > MAX_NOT_READY_BODY:
+        return ProbeResult(ready=False, error=error)
+    try:
+        progress = LoadProgress.model_validate(response.json()["loading"])
+    except (ValueError, KeyError, TypeError):  # not our server's 503 (ValidationError is a ValueError)
+        return ProbeResult(ready=False, error=error)
+    return ProbeResult(ready=False, error=f"{error}: {progress.message}", progress=progress.message)
 
 
 def _parse_info(response: httpx.Response) -> ProbeResult:

@@ -327,10 +327,9 @@ class Reconciler:
         deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
         pods = self._pods_of(key)
-        serving = {
-            p.name: f"http://{p.ip}:{spec.port}" for p in pods if p.ready and p.ip and not p.terminating
-        }
-        probes: dict[str, ProbeResult] = await self._prober.probe_many(serving, token) if serving else {}
+        # Pods not ready yet are probed too: a loading server's 503 says how far it has come.
+        running = {p.name: f"http://{p.ip}:{spec.port}" for p in pods if p.ip and not p.terminating}
+        probes: dict[str, ProbeResult] = await self._prober.probe_many(running, token) if running else {}
         _count(probes)
         return Observation(
             generation=snapshot.generation,

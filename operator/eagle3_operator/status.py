@@ -419,14 +419,14 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
         return _State("Pending", _quiet("False", "ScaledToZero", "spec.replicas is 0"), fields, None)
     if rolled_out and len(ready_pods) == desired:
         return _State("Ready", _quiet("True", "AllReplicasReady", progress), fields, None)
-    unprobed = [p.name for p in pods if p.ready and not _serving(p, observation)]
+    loading = {pod.name: text for pod in pods if (text := _loading(pod, observation))}
+    unprobed = [p.name for p in pods if p.ready and not _serving(p, observation) and p.name not in loading]
     reason, detail = ("Loading", "loading") if rolled_out else ("RollingOut", "rolling out the current spec")
     if unprobed:
         errors = "; ".join(f"{name}: {_probe_error(observation.probes.get(name))}" for name in unprobed)
         detail = f"pods ready but their servers are not: {errors}"
-    loading = [f"{pod.name}: {text}" for pod in pods if (text := _loading(pod, observation))]
     if loading:
-        detail = f"{detail}; {'; '.join(loading)}"
+        detail = f"{detail}; {'; '.join(f'{name}: {text}' for name, text in loading.items())}"
     conditions = {
         "Ready": ("False", reason, f"{progress}; {detail}"),
         "Progressing": ("True", reason, f"{progress}; {detail}"),
@@ -458,7 +458,7 @@ def _serving(pod: PodView, observation: Observation) -> bool:
 
 def _loading(pod: PodView, observation: Observation) -> str | None:
     """How far a pod that does not serve yet has come: its download, else its server's own load progress."""
-    if pod.ready or pod.terminating:
+    if pod.terminating or _serving(pod, observation):
         return None
     probe = observation.probes.get(pod.name)
     return pod.progress or (probe.progress if probe is not None else None)

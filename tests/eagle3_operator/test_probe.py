@@ -4,12 +4,17 @@ A real HTTP server on loopback answers: the target server's own app, loaded with
 """
 
 import asyncio
+import shutil
+from pathlib import Path
 
 import httpx
 from eagle3_operator.probe import Prober
+from eagle3_target.server.app import create_app
+from eagle3_target.server.settings import ServerSettings
 
 from tests.eagle3_operator.conftest import AUTH_TOKEN
-from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, free_port
+from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, free_port, wait_for
+from tests.eagle3_target.server.server_process import serve_in_thread
 
 
 def test_ready_server_reports_its_model(servers: ServerFarm):
@@ -44,6 +49,21 @@ def test_token_protected_server_needs_the_token(auth_servers: ServerFarm):
     assert wrong.error == "/v1/info answered 401"
     right = asyncio.run(_probe(Prober(), {"p": url}, token=AUTH_TOKEN))["p"]
     assert right.ready and right.info is not None
+
+
+def test_a_loading_server_says_how_far_it_has_come(tiny_model_dir: Path, tmp_path: Path):
+    """A model directory whose weights have not arrived yet: the server waits and its 503 says so."""
+    shutil.copy(tiny_model_dir / "config.json", tmp_path)
+    with serve_in_thread(create_app(ServerSettings(model=str(tmp_path), engine="hf"))) as url:
+
+        def progress():
+            result = asyncio.run(_probe(Prober(), {"p": url}))["p"]
+            return result if result.progress and "waiting" in result.progress else None
+
+        result = wait_for(progress, "the server's load progress", timeout=60)
+    assert (result.ready, result.reachable) == (False, True)
+    assert result.progress.startswith("waiting for weights: no weights yet (no model.safetensors")
+    assert result.error == f"/readyz answered 503: {result.progress}"
 
 
 async def _probe(prober: Prober, addresses: dict[str, str], token: str | None = None):
