@@ -1,6 +1,7 @@
 """image/Dockerfile agrees with the code it packages: base image, entrypoint, flags, env names, port, user.
 
-No Docker here, so the file is parsed and every value it hands the CLI is parsed by the real `serve` command.
+No Docker here, so the file is parsed and every value it hands the server is parsed by the real `serve`
+command or server settings.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import typer
 from eagle3_target.cli import app
+from eagle3_target.server.settings import ENV_PREFIX, ServerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "image" / "Dockerfile"
@@ -86,19 +88,18 @@ def test_cmd_flags_parse_with_the_serve_command(dockerfile, serve_command):
     assert ctx.params["port"] == int(expose)
 
 
-def test_env_names_are_serve_envvars_and_parse(dockerfile, serve_command, monkeypatch):
-    by_envvar = {param.envvar: param for param in serve_command.params if isinstance(param.envvar, str)}
+def test_env_names_are_server_settings_and_parse(dockerfile, monkeypatch):
+    by_envvar = {ENV_PREFIX + name.upper(): name for name in ServerSettings.model_fields}
     env = {k: v for entry in dockerfile["ENV"] for k, v in env_pairs(entry).items()}
-    ours = {k: v for k, v in env.items() if k.startswith("EAGLE3_TARGET_")}
-    assert ours, "the image should set its engine through the CLI's env vars"
-    assert set(ours) <= set(by_envvar), f"not env vars of `serve`: {set(ours) - set(by_envvar)}"
+    ours = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    assert ours, "the image should set its engine through the server's env vars"
+    assert set(ours) <= set(by_envvar), f"not server settings: {set(ours) - set(by_envvar)}"
     for name, value in ours.items():
         monkeypatch.setenv(name, value)
-    ctx = serve_command.make_context("serve", ["--model", "/models/m"])
+    settings = ServerSettings(model="/models/m")
     for name in ours:
-        param = by_envvar[name].name
-        assert ctx.get_parameter_source(param).name == "ENVIRONMENT", f"`serve` did not read {name}"
-    assert ctx.params["engine"] == "vllm"
+        assert by_envvar[name] in settings.model_fields_set, f"the settings did not read {name}"
+    assert settings.engine == "vllm"
 
 
 def test_runs_as_a_numeric_non_root_user(dockerfile):

@@ -1,67 +1,47 @@
-"""The ``eagle3-target serve`` command: flags (or ``EAGLE3_TARGET_*`` env) to settings, then uvicorn."""
+"""The ``eagle3-target serve`` command: one flag per `ServerSettings` field, then uvicorn.
+
+The flags are derived from the settings class, so a new setting is one field there. Only the flags given
+are passed on: what is not given comes from ``EAGLE3_TARGET_*`` variables, else the field's default.
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn, get_origin
 
 import typer
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
-ENV = "EAGLE3_TARGET_"
+from eagle3_target.server.settings import ENV_PREFIX, ServerSettings, describe
+
 # Keep idle keep-alive connections open across long training steps: NeMo's client holds one session per
 # server and its vocab mapping is bound to that connection (uvicorn's default would drop it after 5 s).
 KEEP_ALIVE_SECONDS = 600
 
 
-def serve(
-    model: Annotated[str, typer.Option(envvar=ENV + "MODEL", help="Local model directory.")],
-    engine: Annotated[str, typer.Option(envvar=ENV + "ENGINE", help="vllm or hf.")] = "vllm",
-    dtype: Annotated[
-        str, typer.Option(envvar=ENV + "DTYPE", help="Model dtype: auto, bfloat16, float32...")
-    ] = "auto",
-    aux_layer_ids: Annotated[
-        tuple[int, int, int] | None,
-        typer.Option(envvar=ENV + "AUX_LAYER_IDS", help="Three HF aux layer ids; default [1, L//2-1, L-4]."),
-    ] = None,
-    tensor_parallel_size: Annotated[
-        int, typer.Option(envvar=ENV + "TENSOR_PARALLEL_SIZE", help="GPUs per replica (vllm).")
-    ] = 1,
-    max_model_len: Annotated[
-        int | None, typer.Option(envvar=ENV + "MAX_MODEL_LEN", help="Longest accepted sequence.")
-    ] = None,
-    engine_arg: Annotated[
-        list[str] | None,
-        typer.Option(envvar=ENV + "ENGINE_ARGS", help="Extra engine argument KEY=VALUE (repeatable)."),
-    ] = None,
-    host: Annotated[str, typer.Option(envvar=ENV + "HOST")] = "0.0.0.0",
-    port: Annotated[int, typer.Option(envvar=ENV + "PORT")] = 8000,
-    max_batch_tokens: Annotated[
-        int,
-        typer.Option(envvar=ENV + "MAX_BATCH_TOKENS", help="Most tokens per request and per engine batch."),
-    ] = 32768,
-    max_queue: Annotated[
-        int,
-        typer.Option(envvar=ENV + "MAX_QUEUE", help="Requests that may wait for the engine; more get 429."),
-    ] = 64,
-    auth_token_file: Annotated[
-        Path | None, typer.Option(envvar=ENV + "AUTH_TOKEN_FILE", help="Require this bearer token.")
-    ] = None,
-    trust_remote_code: Annotated[bool, typer.Option(envvar=ENV + "TRUST_REMOTE_CODE")] = False,
-    model_name: Annotated[
-        str | None, typer.Option(envvar=ENV + "MODEL_NAME", help="Name in /v1/info.")
-    ] = None,
-    revision: Annotated[
-        str | None, typer.Option(envvar=ENV + "REVISION", help="Revision in /v1/info.")
-    ] = None,
-    log_level: Annotated[str, typer.Option(envvar=ENV + "LOG_LEVEL")] = "INFO",
-    termination_log: Annotated[
-        Path,
-        typer.Option(
-            envvar=ENV + "TERMINATION_LOG",
-            help="Where a failed start writes its one-line reason, if the file exists (Kubernetes makes it).",
-        ),
-    ] = Path("/dev/termination-log"),
-) -> None:
+def _flag(name: str, field: FieldInfo) -> inspect.Parameter:
+    """One setting as a flag: the field's type, optional (None means "not given"), its description as help.
+
+    A dict field is a repeatable KEY=VALUE flag; `json_schema_extra={"flag": ...}` renames a flag.
+    """
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    flag = "--" + str(extra.get("flag", name.replace("_", "-")))
+    kind = list[str] if get_origin(field.annotation) is dict else field.annotation
+    option = typer.Option(flag, help=f"{field.description or ''} (env {ENV_PREFIX}{name.upper()})".lstrip())
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
+    )
+
+
+def given_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """The flags on the command line: unset ones (None, or a repeatable flag never given) are left out."""
+    return {name: value for name, value in flags.items() if value is not None and value not in ((), [])}
+
+
+def serve(**flags: Any) -> None:
     """Serve a frozen target model's EAGLE-3 supervision over HTTP.
 
     Exits 2 for settings it refuses and 3 when the model cannot be loaded, with one line saying what and what
@@ -74,8 +54,14 @@ def serve(
     from eagle3_target.server.http_protocol import JsonErrorHTTPProtocol
     from eagle3_target.server.loading import LoadFailed, failure_line, preflight, write_termination_message
     from eagle3_target.server.logs import configure_json_logging
-    from eagle3_target.server.settings import ServerSettings, parse_engine_args
     from eagle3_target.server.target import engine_kwargs
+
+    given = given_flags(flags)
+    termination_log = Path(
+        given.get("termination_log")
+        or os.environ.get(ENV_PREFIX + "TERMINATION_LOG")
+        or ServerSettings.model_fields["termination_log"].default
+    )
 
     def refuse(line: str, code: int) -> NoReturn:
         write_termination_message(termination_log, line)
@@ -83,32 +69,15 @@ def serve(
         raise typer.Exit(code)
 
     try:
-        settings = ServerSettings(
-            model=model,
-            engine=engine,
-            dtype=dtype,
-            aux_layer_ids=aux_layer_ids,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            engine_args=parse_engine_args(engine_arg or []),
-            host=host,
-            port=port,
-            max_batch_tokens=max_batch_tokens,
-            max_queue=max_queue,
-            auth_token_file=auth_token_file,
-            trust_remote_code=trust_remote_code,
-            model_name=model_name,
-            revision=revision,
-            termination_log=termination_log,
-        )
-    except ValueError as exc:
+        settings = ServerSettings(**given)
+    except ValidationError as exc:
         action = "fix the server's flags or EAGLE3_TARGET_* variables"
-        refuse(f"invalid setting: {exc}; {action}", EXIT_INVALID_SETTINGS)
+        refuse(f"invalid setting: {describe(exc)}; {action}", EXIT_INVALID_SETTINGS)
     try:  # What is refused at once never binds the port.
         preflight(settings.model, settings.engine, engine_kwargs(settings))
     except LoadFailed as exc:
         refuse(failure_line(exc), EXIT_LOAD_FAILED)
-    configure_json_logging(log_level.upper())
+    configure_json_logging(settings.log_level.upper())
     app = create_app(settings)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -125,3 +94,9 @@ def serve(
     server.run()
     if state.loading.failure is not None:
         raise typer.Exit(EXIT_LOAD_FAILED)  # the loader already logged and wrote the line
+
+
+# typer reads a command's flags from its signature.
+serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [_flag(name, field) for name, field in ServerSettings.model_fields.items()]
+)

@@ -1,49 +1,94 @@
-"""Server settings: one frozen value built by the CLI (flags or ``EAGLE3_TARGET_*`` env) and passed down."""
+"""Server settings: one frozen value, from flags or ``EAGLE3_TARGET_*`` variables, passed down."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
 
+ENV_PREFIX = "EAGLE3_TARGET_"
 # Input tensors are int64 [B,S]: ids plus attention and loss masks, and headroom for safetensors headers.
 _BODY_BYTES_PER_TOKEN = 3 * 8
 _BODY_SLACK_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    model: str
-    engine: str = DEFAULT_ENGINE
-    dtype: str = "auto"
-    aux_layer_ids: tuple[int, ...] | None = None
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    engine_args: dict[str, object] = field(default_factory=dict)
+def _words(value: object) -> object:
+    """An environment variable holding several values separates them with spaces, as the shell does."""
+    return value.split() if isinstance(value, str) else value
+
+
+class ServerSettings(BaseSettings):
+    """Every server setting, declared once. `eagle3-target serve` derives one flag per field from this class
+    (see `cli.py`); each field also reads ``EAGLE3_TARGET_<FIELD>``; flags win over the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", protected_namespaces=()
+    )
+
+    model: str = Field(description="Local model directory.")
+    engine: str = Field(DEFAULT_ENGINE, description=f"The engine: {' or '.join(ENGINES)}.")
+    dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float32...")
+    aux_layer_ids: Annotated[tuple[int, int, int] | None, NoDecode] = Field(
+        None, description="Three HF aux layer ids; default [1, L//2-1, L-4]."
+    )
+    tensor_parallel_size: int = Field(1, description="GPUs per replica (sharded engines: vllm).")
+    max_model_len: int | None = Field(None, description="Longest accepted sequence.")
+    engine_args: Annotated[dict[str, object], NoDecode] = Field(
+        default_factory=dict,
+        description="Extra engine argument KEY=VALUE (repeatable).",
+        json_schema_extra={"flag": "engine-arg"},
+    )
     host: str = "0.0.0.0"
     port: int = 8000
-    max_batch_tokens: int = 32768
-    max_queue: int = 64
-    auth_token_file: Path | None = None
+    max_batch_tokens: int = Field(32768, description="Most tokens per request and per engine batch.")
+    max_queue: int = Field(64, description="Requests that may wait for the engine; more get 429.")
+    max_vocab_mappings: int = Field(64, description="Draft vocabularies kept; the least recently used goes.")
+    auth_token_file: Path | None = Field(None, description="Require this bearer token.")
     trust_remote_code: bool = False
-    model_name: str | None = None
-    revision: str | None = None
-    max_vocab_mappings: int = 64
-    # Where a failed start writes its one-line reason: the path Kubernetes reads (terminationMessagePath).
-    termination_log: Path = Path("/dev/termination-log")
+    model_name: str | None = Field(None, description="Name in /v1/info.")
+    revision: str | None = Field(None, description="Revision in /v1/info.")
+    log_level: str = "INFO"
+    # The path Kubernetes reads (terminationMessagePath).
+    termination_log: Path = Field(
+        Path("/dev/termination-log"),
+        description="Where a failed start writes its one-line reason, if the file exists "
+        "(Kubernetes makes it).",
+    )
 
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {self.engine!r}")
-        for name in ("tensor_parallel_size", "max_batch_tokens", "max_queue", "max_vocab_mappings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
-            raise ValueError(f"exactly 3 aux layer ids are needed, got {list(self.aux_layer_ids)}")
+    @field_validator("aux_layer_ids", mode="before")
+    @classmethod
+    def _aux_layer_ids(cls, value: object) -> object:
+        value = _words(value)
+        if isinstance(value, list | tuple) and len(value) != 3:
+            raise ValueError(f"exactly 3 aux layer ids are needed, got {list(value)}")
+        return value
+
+    @field_validator("engine_args", mode="before")
+    @classmethod
+    def _engine_args(cls, value: object) -> object:
+        value = _words(value)
+        return parse_engine_args(value) if isinstance(value, list | tuple) else value
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: str) -> str:
+        if value not in ENGINES:
+            raise ValueError(f"engine must be one of {tuple(ENGINES)}, got {value!r}")
+        return value
+
+    @field_validator(
+        "tensor_parallel_size", "max_batch_tokens", "max_queue", "max_vocab_mappings", "max_model_len"
+    )
+    @classmethod
+    def _positive(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+        return value
 
     @property
     def display_name(self) -> str:
@@ -54,6 +99,16 @@ class ServerSettings:
     def token_body_limit(self) -> int:
         """Largest accepted body for routes that take token batches."""
         return _BODY_BYTES_PER_TOKEN * self.max_batch_tokens + _BODY_SLACK_BYTES
+
+
+def describe(error: ValidationError) -> str:
+    """A refused setting in one line (for the termination log): each problem's own message, `; `-joined."""
+    return "; ".join(
+        str(problem["ctx"]["error"])
+        if problem["type"] == "value_error"
+        else f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+        for problem in error.errors()
+    )
 
 
 def mapping_body_limit(vocab_size: int) -> int:
@@ -82,5 +137,5 @@ def parse_engine_arg(item: str) -> tuple[str, object]:
     return key.replace("-", "_"), value
 
 
-def parse_engine_args(items: list[str]) -> dict[str, object]:
+def parse_engine_args(items: list[str] | tuple[str, ...]) -> dict[str, object]:
     return dict(parse_engine_arg(item) for item in items)

@@ -1,0 +1,32 @@
+"""`eagle3-target serve` has exactly one flag per server setting, typed like it."""
+
+import typer
+from eagle3_target.cli import app
+from eagle3_target.server.cli import given_flags
+from eagle3_target.server.settings import ServerSettings
+
+
+def serve_command():
+    return typer.main.get_command(app).commands["serve"]
+
+
+def test_one_flag_per_setting():
+    params = {param.name: param for param in serve_command().params}
+    assert set(params) == set(ServerSettings.model_fields)
+    assert params["engine_args"].opts == ["--engine-arg"] and params["engine_args"].multiple
+    assert params["aux_layer_ids"].nargs == 3
+
+
+def test_only_given_flags_reach_the_settings():
+    ctx = serve_command().make_context("serve", ["--model", "/m", "--max-queue", "3", "--engine-arg", "a=1"])
+    given = given_flags(ctx.params)
+    assert given == {"model": "/m", "max_queue": 3, "engine_args": ["a=1"]}
+    settings = ServerSettings(**given)
+    assert (settings.max_queue, settings.engine_args, settings.port) == (3, {"a": 1}, 8000)
+
+
+def test_an_unset_flag_leaves_the_environment_in_charge(monkeypatch):
+    monkeypatch.setenv("EAGLE3_TARGET_ENGINE_ARGS", "enforce_eager=true max_num_seqs=4")
+    given = given_flags(serve_command().make_context("serve", ["--model", "/m"]).params)
+    assert given == {"model": "/m"}
+    assert ServerSettings(**given).engine_args == {"enforce_eager": True, "max_num_seqs": 4}
