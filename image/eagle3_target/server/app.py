@@ -1,160 +1,38 @@
-"""The FastAPI app: native routes of DESIGN §3, NeMo's compatibility routes, metrics and middleware."""
+"""The FastAPI app: the routers (probes, native API, NeMo compatibility), error handlers and middleware."""
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
+from fastapi import FastAPI
 
-from eagle3_target.contract import VocabMapping
-from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, OCTET_STREAM, WEIGHT_NAMES, TargetInfo
 from eagle3_target.server.auth import BearerAuthMiddleware, read_token_file
-from eagle3_target.server.batching import EngineJob, Tensors
-from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable, install_error_handlers
-from eagle3_target.server.nemo_compat import nemo_router
+from eagle3_target.server.errors import install_error_handlers
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
-from eagle3_target.server.settings import ServerSettings, mapping_body_limit
+from eagle3_target.server.routes import native, nemo, probes
+from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.state import ServerState
-from eagle3_target.server.target import supervision_compute, validate_token_batch, weight_tensor
-from eagle3_target.wire import tensors as tensor_wire
-
-_MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-def decode_safetensors(body: bytearray) -> Tensors:
-    """Request tensors from a safetensors body; 400 when it is not one."""
-    try:
-        tensors, _metadata = tensor_wire.decode(body)
-    except ValueError as exc:
-        raise BadRequest(f"body is not a valid safetensors buffer: {exc}") from exc
-    return tensors
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    state.start_loading()
+    yield
+    state.close()
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
     """Build the app. Starting it only starts the model load on a background thread, so the socket
     listens (and /healthz answers, /readyz says 503) while the weights load."""
     state = ServerState(settings)
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        state.start_loading()
-        yield
-        state.close()
-
     app = FastAPI(title="eagle3-target", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     if settings.auth_token_file is not None:
         app.add_middleware(BearerAuthMiddleware, token=read_token_file(settings.auth_token_file))
     app.add_middleware(RequestTrackingMiddleware, metrics=state.metrics)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> dict[str, str]:
-        state.require_target()
-        return {"status": "ready"}
-
-    @app.get("/v1/info", response_model=TargetInfo)
-    async def info() -> TargetInfo:
-        return state.require_target().info
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = state.metrics.exposition()
-        return Response(body, media_type=content_type)
-
-    @app.post("/v1/supervision")
-    async def supervision(
-        request: Request, format: str = "hidden", vocab: str | None = None, dtype: str | None = None
-    ) -> Response:
-        target = state.require_target()
-        spec = FORMATS.get(format)
-        if spec is None:
-            raise Unprocessable(f"unknown format {format!r}; expected one of {list(FORMATS)}")
-        if dtype is not None and dtype not in LOGITS_DTYPES:
-            raise Unprocessable(f"unknown dtype {dtype!r}; expected one of {list(LOGITS_DTYPES)}")
-        if dtype is not None and not spec.takes_dtype:
-            dtype_formats = [name for name, each in FORMATS.items() if each.takes_dtype]
-            raise Unprocessable(f"dtype applies to formats {dtype_formats} only, not {format!r}")
-        if spec.needs_vocab and vocab is None:
-            raise Unprocessable(f"format {format!r} needs a draft vocabulary: pass vocab=<mapping id>")
-        mapping = None
-        if vocab is not None:
-            mapping = state.mappings.get(vocab)
-            if mapping is None:
-                raise NotFound(f"unknown vocab mapping {vocab!r}: PUT /v1/vocab-mappings/{vocab} first")
-        body = await read_body_capped(request, settings.token_body_limit)
-        inputs = await run_in_threadpool(
-            lambda: validate_token_batch(
-                decode_safetensors(body),
-                required=("input_ids",),
-                optional=("attention_mask",),
-                vocab_size=target.vocab_size,
-                max_model_len=target.max_model_len,
-                max_batch_tokens=settings.max_batch_tokens,
-            )
-        )
-        logits_dtype = getattr(torch, dtype or LOGITS_DTYPES[0])
-        job = EngineJob(
-            batch_key=("supervision", format, logits_dtype, mapping.digest() if mapping else None),
-            inputs=inputs,
-            compute=supervision_compute(target, format, logits_dtype, mapping),
-        )
-        outputs = await state.run_on_engine(job)
-        metadata = {
-            "format": format,
-            "fingerprint": target.fingerprint,
-            "aux_layer_ids": json.dumps(target.info.aux_layer_ids),
-        }
-        if vocab is not None:
-            metadata["vocab"] = vocab
-        payload = await run_in_threadpool(tensor_wire.encode, outputs, metadata)
-        state.metrics.tokens.inc(job.tokens)
-        state.metrics.response_bytes.labels(format=format).inc(len(payload))
-        return Response(payload, media_type=OCTET_STREAM)
-
-    @app.put("/v1/vocab-mappings/{mapping_id}")
-    async def put_vocab_mapping(mapping_id: str, request: Request) -> JSONResponse:
-        target = state.require_target()
-        if not _MAPPING_ID.match(mapping_id):
-            raise Unprocessable("vocab mapping ids are 1-128 characters of [A-Za-z0-9._-]")
-        body = await read_body_capped(request, mapping_body_limit(target.vocab_size))
-        tensors = await run_in_threadpool(decode_safetensors, body)
-        if set(tensors) != {"selected_token_ids"}:
-            raise Unprocessable(f"expected exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
-        ids = tensors["selected_token_ids"]
-        if ids.dtype != torch.int64:
-            raise Unprocessable(f"selected_token_ids must be int64, got {ids.dtype}")
-        try:
-            mapping = VocabMapping.from_selected_ids(ids, target.vocab_size).to(target.device)
-        except ValueError as exc:
-            raise Unprocessable(str(exc)) from exc
-        state.mappings.put(mapping_id, mapping)
-        return JSONResponse(
-            {"id": mapping_id, "draft_vocab_size": mapping.draft_vocab_size, "digest": mapping.digest()}
-        )
-
-    @app.get("/v1/weights/{name}")
-    async def weights(name: str) -> Response:
-        if name not in WEIGHT_NAMES:
-            raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")
-        target = state.require_target()
-        weight = await run_in_threadpool(weight_tensor, target, name)
-        metadata = {"name": name, "fingerprint": target.fingerprint}
-        return Response(
-            await run_in_threadpool(tensor_wire.encode, {"weight": weight}, metadata),
-            media_type=OCTET_STREAM,
-        )
-
-    app.include_router(nemo_router(state))
+    for routes in (probes, native, nemo):
+        app.include_router(routes.router)
     return app

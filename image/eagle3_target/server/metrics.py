@@ -49,6 +49,11 @@ class ServerMetrics:
         self.ready = Gauge("eagle3_ready", "1 once the model is loaded and the canary passed.", registry=r)
         self.model_info = Info("eagle3_model", "Identity of the served target model.", registry=r)
 
+    def count_response(self, format: str, *, tokens: int, size: int) -> None:
+        """One supervision answer (native `format`, or "nemo"): its tokens and body bytes."""
+        self.tokens.inc(tokens)
+        self.response_bytes.labels(format=format).inc(size)
+
     def exposition(self) -> tuple[bytes, str]:
         """The Prometheus text body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,141 @@
+"""NeMo AutoModel's remote-target protocol, so its ``remote`` backend trains against this server unchanged.
+
+Routes and bodies follow NeMo 0.7.0's ``RemoteEagle3TargetModel``: JSON for control, its little-endian
+tensor wire format for data. Differences that NeMo's client does not observe: errors are JSON 4xx instead
+of bare 500s, ``/health`` is 503 until the model is ready (NeMo's server only listens once loaded),
+``/init_nccl`` is disabled (NeMo then stays on the wire path), ``/disconnect`` never stops the server
+(others may be training against it), and vocab mappings are kept per connection (see vocab_store).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from eagle3_target.contract import VocabMapping
+from eagle3_target.protocol import OCTET_STREAM
+from eagle3_target.server.batching import EngineJob, Tensors
+from eagle3_target.server.body import read_body_capped
+from eagle3_target.server.deps import StateDep, TargetDep
+from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
+from eagle3_target.server.settings import mapping_body_limit
+from eagle3_target.server.target import nemo_generate_compute, validate_token_batch, weight_tensor
+from eagle3_target.wire import nemo as nemo_wire
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+OK = {"status": "ok"}
+
+
+def decode_nemo_wire(body: bytearray, limit: int) -> Tensors:
+    """Tensors from a NeMo wire body; 400 when malformed, 422 when an entry is None."""
+    try:
+        tensors = nemo_wire.decode(body, max_total_bytes=limit)
+    except ValueError as exc:
+        raise BadRequest(f"body is not a valid NeMo wire buffer: {exc}") from exc
+    nones = sorted(name for name, tensor in tensors.items() if tensor is None)
+    if nones:
+        raise Unprocessable(f"tensors {nones} are None")
+    return tensors
+
+
+def peer(request: Request) -> tuple[str, int]:
+    client = request.client
+    return (client.host, client.port) if client else ("unknown", 0)
+
+
+@router.get("/health")
+async def health(_target: TargetDep) -> dict[str, str]:
+    return OK
+
+
+@router.post("/model_info")
+async def model_info(target: TargetDep) -> dict[str, object]:
+    return target.info.model_dump(
+        mode="json", include={"num_hidden_layers", "hidden_size", "vocab_size", "aux_layer_ids"}
+    )
+
+
+@router.post("/input_embeddings")
+async def input_embeddings(target: TargetDep) -> Response:
+
+    def encode() -> bytes:
+        return nemo_wire.encode({"weight": weight_tensor(target, "input_embeddings")})
+
+    return Response(await run_in_threadpool(encode), media_type=OCTET_STREAM)
+
+
+@router.post("/set_vocab_mapping")
+async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep) -> dict[str, str]:
+    limit = mapping_body_limit(target.vocab_size)
+    body = await read_body_capped(request, limit)
+    tensors = await run_in_threadpool(decode_nemo_wire, body, limit)
+    missing = {"selected_token_ids", "selected_token_mask"} - set(tensors)
+    if missing:
+        raise Unprocessable(f"missing tensors {sorted(missing)}")
+    mask = tensors["selected_token_mask"]
+    if mask.numel() != target.vocab_size:
+        raise Unprocessable(
+            f"selected_token_mask has {mask.numel()} entries, the target vocab is {target.vocab_size}"
+        )
+    try:
+        mapping = VocabMapping(tensors["selected_token_ids"], mask).to(target.device)
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from exc
+    mapping_id = mapping.digest()
+    state.mappings.put(mapping_id, mapping)
+    host, port = peer(request)
+    state.nemo_bindings.bind(host, port, mapping_id)
+    log.info("vocab mapping set", extra={"vocab": mapping_id, "peer": f"{host}:{port}"})
+    return {**OK, "vocab_id": mapping_id}
+
+
+@router.post("/generate")
+async def generate(request: Request, state: StateDep, target: TargetDep) -> Response:
+    mapping_id = state.nemo_bindings.resolve(*peer(request))
+    mapping = state.mappings.get(mapping_id)
+    if mapping is None:
+        raise NotFound(f"vocab mapping {mapping_id} was evicted: POST /set_vocab_mapping again")
+    body = await read_body_capped(request, state.settings.token_body_limit)
+
+    def decode() -> Tensors:
+        return validate_token_batch(
+            decode_nemo_wire(body, state.settings.token_body_limit),
+            required=("input_ids", "attention_mask", "loss_mask"),
+            optional=(),
+            vocab_size=target.vocab_size,
+            max_model_len=target.max_model_len,
+            max_batch_tokens=state.settings.max_batch_tokens,
+        )
+
+    inputs = await run_in_threadpool(decode)
+    job = EngineJob(
+        batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
+    )
+    outputs = await state.run_on_engine(job)
+    payload = await run_in_threadpool(nemo_wire.encode, outputs)
+    state.metrics.tokens.inc(job.tokens)
+    state.metrics.response_bytes.labels(format="nemo").inc(len(payload))
+    return Response(payload, media_type=OCTET_STREAM)
+
+
+@router.post("/heartbeat")
+async def heartbeat() -> dict[str, str]:
+    return OK
+
+
+@router.post("/init_nccl")
+async def init_nccl() -> dict[str, str]:
+    return {"status": "disabled"}
+
+
+@router.post("/disconnect")
+async def disconnect(request: Request) -> dict[str, str]:
+    host, port = peer(request)
+    log.info("client disconnected; the server keeps serving", extra={"peer": f"{host}:{port}"})
+    return OK

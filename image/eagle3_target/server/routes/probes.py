@@ -1,0 +1,26 @@
+"""What Kubernetes and Prometheus call: liveness, readiness and metrics. None of them needs a token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from eagle3_target.server.deps import StateDep, TargetDep
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(_target: TargetDep) -> dict[str, str]:
+    return {"status": "ready"}
+
+
+@router.get("/metrics")
+async def metrics(state: StateDep) -> Response:
+    body, content_type = state.metrics.exposition()
+    return Response(body, media_type=content_type)
