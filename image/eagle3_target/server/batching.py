@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle3_target.server.errors import QueueFull
 from eagle3_target.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+
+class QueueFull(Exception):
+    """The engine has `max_queue` jobs waiting already; the caller should come back shortly."""
 
 
 @dataclass(eq=False)
@@ -85,12 +88,10 @@ class EngineWorker:
             self._thread.join(timeout=30)
 
     def submit(self, job: EngineJob) -> Future:
-        """Queue ``job``; 429 when ``max_queue`` jobs are already waiting."""
+        """Queue ``job``; `QueueFull` when ``max_queue`` jobs are already waiting."""
         with self._cond:
             if len(self._queue) >= self.max_queue:
-                raise QueueFull(
-                    f"engine queue is full ({self.max_queue} requests waiting)", headers={"Retry-After": "1"}
-                )
+                raise QueueFull(f"engine queue is full ({self.max_queue} requests waiting)")
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()

@@ -55,7 +55,7 @@ class Unprocessable(ApiError):
     status, type = 422, "invalid_input"
 
 
-class QueueFull(ApiError):
+class TooManyRequests(ApiError):
     status, type = 429, "queue_full"
 
 

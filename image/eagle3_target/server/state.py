@@ -10,8 +10,8 @@ from collections.abc import Callable
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import LoadPhase
 from eagle3_target.runners import InvalidInput, ModelRefused
-from eagle3_target.server.batching import EngineJob, EngineWorker, Tensors
-from eagle3_target.server.errors import NotReady, Unprocessable
+from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, Tensors
+from eagle3_target.server.errors import NotReady, TooManyRequests, Unprocessable
 from eagle3_target.server.loading import LoadFailed, LoadTracker, failure_line, write_termination_message
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
@@ -84,6 +84,10 @@ class ServerState:
         reaches the app's catch-all handler (500, traceback logged).
         """
         try:
-            return await asyncio.wrap_future(self.worker.submit(job))
+            future = self.worker.submit(job)
+        except QueueFull as exc:
+            raise TooManyRequests(str(exc), headers={"Retry-After": "1"}) from exc
+        try:
+            return await asyncio.wrap_future(future)
         except InvalidInput as exc:
             raise Unprocessable(f"the engine refused the batch: {exc}") from exc

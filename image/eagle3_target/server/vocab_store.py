@@ -13,8 +13,6 @@ import threading
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
-from eagle3_target.server.errors import NotFound
-
 V = TypeVar("V")
 
 
@@ -45,6 +43,10 @@ class LruDict(Generic[V]):
             return len(self._items)
 
 
+class UnboundConnection(LookupError):
+    """A NeMo client asked for supervision without a vocab mapping this server can tell is its own."""
+
+
 class NemoMappingBindings:
     """Which mapping id each NeMo client connection, and each client host, registered."""
 
@@ -63,7 +65,7 @@ class NemoMappingBindings:
             self._by_host.put(host, (self._by_host.get(host) or frozenset()) | {mapping_id})
 
     def resolve(self, host: str, port: int) -> str:
-        """The mapping this connection set, else its host's only mapping; 404 otherwise."""
+        """The mapping this connection set, else its host's only mapping; `UnboundConnection` otherwise."""
         mapping_id = self._by_connection.get(self._connection_key(host, port))
         if mapping_id is not None:
             return mapping_id
@@ -71,8 +73,8 @@ class NemoMappingBindings:
         if len(host_ids) == 1:
             return next(iter(host_ids))
         if not host_ids:
-            raise NotFound("no vocab mapping set: POST /set_vocab_mapping before /generate")
-        raise NotFound(
+            raise UnboundConnection("no vocab mapping set: POST /set_vocab_mapping before /generate")
+        raise UnboundConnection(
             f"{len(host_ids)} different vocab mappings were set from {host} and this connection set none: "
             "POST /set_vocab_mapping again on this connection"
         )

@@ -11,14 +11,14 @@ import pytest
 import torch
 from eagle3_target.runners import InvalidInput
 from eagle3_target.server.auth import bearer_matches, read_token_file
-from eagle3_target.server.batching import EngineJob, EngineWorker, run_coalesced
-from eagle3_target.server.errors import NotFound, QueueFull, Unprocessable
+from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, run_coalesced
+from eagle3_target.server.errors import TooManyRequests, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint, sample_offsets, weight_file_digest
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.request_tracking import pick_request_id
 from eagle3_target.server.settings import ServerSettings, parse_engine_arg
 from eagle3_target.server.state import ServerState
-from eagle3_target.server.vocab_store import LruDict, NemoMappingBindings
+from eagle3_target.server.vocab_store import LruDict, NemoMappingBindings, UnboundConnection
 
 
 def test_bearer_matches():
@@ -131,7 +131,7 @@ def test_lru_dict_forgets_least_recently_used():
 
 def test_nemo_bindings_by_connection_then_host():
     bindings = NemoMappingBindings()
-    with pytest.raises(NotFound, match="set_vocab_mapping"):
+    with pytest.raises(UnboundConnection, match="set_vocab_mapping"):
         bindings.resolve("10.0.0.1", 5000)
     bindings.bind("10.0.0.1", 5000, "map-a")
     assert bindings.resolve("10.0.0.1", 5000) == "map-a"
@@ -140,9 +140,9 @@ def test_nemo_bindings_by_connection_then_host():
     bindings.bind("10.0.0.1", 5001, "map-b")
     assert bindings.resolve("10.0.0.1", 5000) == "map-a"
     assert bindings.resolve("10.0.0.1", 5001) == "map-b"
-    with pytest.raises(NotFound, match="2 different vocab mappings"):
+    with pytest.raises(UnboundConnection, match="2 different vocab mappings"):
         bindings.resolve("10.0.0.1", 6000)
-    with pytest.raises(NotFound):
+    with pytest.raises(UnboundConnection):
         bindings.resolve("10.0.0.2", 5000)
 
 
@@ -190,9 +190,8 @@ def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
             j.compute = counting
         futures = [worker.submit(j) for j in queued]
         assert metrics.registry.get_sample_value("eagle3_queue_depth") == 3
-        with pytest.raises(QueueFull) as excinfo:
+        with pytest.raises(QueueFull, match="3 requests waiting"):
             worker.submit(job(1, 4, 300))
-        assert excinfo.value.headers["Retry-After"] == "1"
         release.set()
         assert torch.equal(first.result(timeout=30)["doubled"], torch.zeros(1, 1, dtype=torch.int64))
         for j, future in zip(queued, futures, strict=True):
@@ -295,3 +294,12 @@ def test_only_invalid_input_from_the_engine_is_a_client_error():
             asyncio.run(state.run_on_engine(raising(ValueError("internal shape mismatch"))))
     finally:
         state.worker.stop()
+
+
+def test_a_full_queue_is_429_with_retry_after():
+    state = ServerState(ServerSettings(model="unused", max_queue=1))
+    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.int64)}
+    state.worker.submit(EngineJob(batch_key="k", inputs=inputs, compute=dict))  # the worker is not running
+    with pytest.raises(TooManyRequests, match="1 requests waiting") as excinfo:
+        asyncio.run(state.run_on_engine(EngineJob(batch_key="k", inputs=inputs, compute=dict)))
+    assert (excinfo.value.status, excinfo.value.headers) == (429, {"Retry-After": "1"})

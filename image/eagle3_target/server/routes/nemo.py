@@ -23,6 +23,7 @@ from eagle3_target.server.deps import StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.target import nemo_generate_compute, validate_token_batch, weight_tensor
+from eagle3_target.server.vocab_store import UnboundConnection
 from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,10 @@ async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep
 
 @router.post("/generate")
 async def generate(request: Request, state: StateDep, target: TargetDep) -> Response:
-    mapping_id = state.nemo_bindings.resolve(*peer(request))
+    try:
+        mapping_id = state.nemo_bindings.resolve(*peer(request))
+    except UnboundConnection as exc:
+        raise NotFound(str(exc)) from exc
     mapping = state.mappings.get(mapping_id)
     if mapping is None:
         raise NotFound(f"vocab mapping {mapping_id} was evicted: POST /set_vocab_mapping again")
