@@ -103,11 +103,14 @@ def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
 
 
 # Config fields that change the logits after lm_head(final_norm(h_L)), each with the value that leaves them
-# unchanged. Engines that rebuild logits from the final hidden state must refuse a model that sets one.
-LOGIT_TRANSFORMS: dict[str, float | None] = {
+# unchanged (a string names the config field whose value that is). Engines that rebuild logits from the
+# final hidden state must refuse a model that sets one. Scales keep the argmax, so only a rule catches them.
+LOGIT_TRANSFORMS: dict[str, float | str | None] = {
     "final_logit_softcapping": None,  # Gemma 2: cap * tanh(logits / cap)
     "logit_scale": 1.0,  # Cohere, MPT: logits * scale
     "logits_scaling": 1.0,  # Granite: logits / scaling
+    "output_multiplier": 1.0,  # MuseGlimmer (vLLM muse_glimmer.py): logits * multiplier
+    "dim_model_base": "hidden_size",  # MiniCPM (vLLM minicpm.py): lm_head(final_norm(h) * base / hidden)
 }
 
 
@@ -115,7 +118,8 @@ def logit_transform(config: Any) -> str | None:
     """The first config field by which this model's logits are more than lm_head(final_norm(h_L)), or None."""
     for field, identity in LOGIT_TRANSFORMS.items():
         value = getattr(config, field, None)
-        if value is not None and value != identity:
+        unchanged = getattr(config, identity, None) if isinstance(identity, str) else identity
+        if value is not None and value != unchanged:
             return field
     return None
 

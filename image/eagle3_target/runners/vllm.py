@@ -3,15 +3,17 @@
 vLLM runs the model in its own process and never hands back logits for every position, so this runner asks
 vLLM to capture the residual stream at the 3 aux layers plus the final layer (capture id `L`, the hidden
 state *before* the final norm). vLLM's `ExampleHiddenStatesConnector` writes one safetensors file per
-request; we read it with vLLM's own loader (which waits on the writer's lock), put the layers back in the
-requested order, delete the file and rebuild `final_norm(h_L)` and the logits from the checkpoint's final
-RMSNorm and LM head. Every vLLM call here was checked against the vLLM 0.33.0 source; `vllm` is imported
-lazily so the rest of the package works without it.
+request; we read it once its writer's lock is free (with a bound), put the layers back in the requested
+order, delete the file and rebuild `final_norm(h_L)` and the logits from the checkpoint's final RMSNorm and
+LM head. Every vLLM call here was checked against the vLLM 0.33.0 source (see
+research/review-vllm-runner.md); `vllm` is imported lazily so the rest of the package works without it.
+Engine arguments are in `vllm_args`, the capture layout and file protocol in `vllm_capture`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Generator, Sequence
@@ -32,18 +34,90 @@ from eagle3_target.runners.vllm_capture import (
     HIDDEN_STATES_PATH_KEY,
     capture_layer_ids,
     check_capture,
+    compare_logprobs,
     discard_capture,
     file_positions,
+    read_capture,
     rms_norm,
 )
 
 DEFAULT_HIDDEN_STATES_DIR = "/dev/shm"
 
-# Startup check of the logits rebuild against vLLM's own greedy token: prompts, their length, and the share
-# that must agree (bf16 kernels differ between the rebuild and vLLM, so near-ties may flip a few).
+# Longest wait for a capture file's writer (seconds; runner option `capture_timeout_s`). The write starts a
+# step after `generate` returns and takes well under a second per GiB on /dev/shm; a wait this long means
+# the engine process is stuck or gone, and the request fails (500) instead of hanging the server.
+DEFAULT_CAPTURE_TIMEOUT_S = 60.0
+
+# Startup check of the logits rebuild against vLLM's own logits at each prompt's last position: prompts,
+# their length, the share of greedy tokens that must agree (bf16 kernels differ between the rebuild and
+# vLLM, so near-ties may flip a few), how many of vLLM's top log-probabilities are compared (vLLM's default
+# max_logprobs), the largest difference allowed (bf16 differences are ~0.1) and how far from 1 the scale
+# between the two may be (a logit scale keeps every greedy token; `compare_logprobs`).
 REBUILD_CHECK_PROMPTS = 8
 REBUILD_CHECK_TOKENS = 16
 REBUILD_CHECK_MIN_AGREEMENT = 0.75
+REBUILD_CHECK_LOGPROBS = 20
+REBUILD_CHECK_MAX_LOGPROB_DIFF = 1.0
+REBUILD_CHECK_MAX_SCALE_ERROR = 0.05
+
+# Final norms computed as x * (1 + w) (vLLM's GemmaRMSNorm; transformers' zero-centred RMSNorm), by the
+# text config's model_type: the rebuild computes x * w, so these would be served with wrong logits.
+ZERO_CENTRED_NORM_MODEL_TYPES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+    }
+)
+
+
+def refuse_unsupported_model(model_path: str, config: PretrainedConfig) -> None:
+    """Refuse, before the engine starts, a text config the vLLM runner cannot serve exactly.
+
+    - a logit transform (`logit_transform`): the rebuild is lm_head(final_norm(h_L)) and nothing more;
+    - MLA attention (`kv_lora_rank`, vLLM's own rule for both backends: `ModelConfig.use_mla`): vLLM
+      0.33's connector cannot find the hidden-states cache group beside MLA's and fails engine start
+      ("MLA verifiers are unsupported", `_find_cache_kv_group_id`);
+    - a `(1 + w)` final norm (ZERO_CENTRED_NORM_MODEL_TYPES).
+    """
+    transform = logit_transform(config)
+    model_type = getattr(config, "model_type", None)
+    if transform is not None:
+        reason = f"config.{transform} transforms the logits, which the vLLM runner's logits rebuild omits"
+    elif getattr(config, "kv_lora_rank", None) is not None:
+        reason = "its MLA attention (config.kv_lora_rank) cannot run beside vLLM 0.33's hidden-states capture"
+    elif model_type in ZERO_CENTRED_NORM_MODEL_TYPES:
+        reason = f"{model_type} models end in a (1 + w) RMSNorm, which the vLLM runner's logits rebuild omits"
+    else:
+        return
+    raise ModelRefused(f"{model_path}: {reason}; use --engine hf")
+
+
+def refuse_in_process_engine() -> None:
+    """Refuse vLLM's in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+
+    In-process, the engine steps only inside `generate`, and the connector writes a batch's files in a step
+    after its requests finished (pending saves go to the worker with the next step's metadata), so the last
+    batch's files would never be written and every read would wait (vllm/v1/engine/core_client.py,
+    `InprocClient.get_output`). vLLM reads the variable as `bool(int(value))`.
+    """
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    try:
+        multiprocess = bool(int(value))
+    except ValueError:
+        raise ModelRefused(f"VLLM_ENABLE_V1_MULTIPROCESSING={value!r} is not an integer") from None
+    if not multiprocess:
+        raise ModelRefused(
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0 runs vLLM's engine in this process, where the hidden-states "
+            "connector writes a batch's capture files only at the engine's next step, after generate has "
+            "returned: the runner would wait for them forever; unset the variable"
+        )
 
 
 def require_eagle3_support(architectures: Sequence[str]) -> None:
@@ -52,20 +126,23 @@ def require_eagle3_support(architectures: Sequence[str]) -> None:
     vLLM decides this in the worker (`supports_eagle3(model)` in `_setup_eagle3_aux_hidden_state_outputs`,
     vllm/v1/worker/gpu_model_runner.py, and `set_eagle3_aux_hidden_state_layers` for MRv2), where the
     failure surfaces only as "engine core initialization failed"; the same check on the registered class
-    here gives the reason. Architectures vLLM does not register run on its Transformers backend, which
-    implements the interface.
+    here gives the reason. The class is imported in a child process, as vLLM's registry inspects classes
+    (registry.py `_run_in_subprocess`: importing a model module may initialise CUDA, and a parent with CUDA
+    initialised makes vLLM spawn its workers instead of forking them). Architectures vLLM does not register
+    run on its Transformers backend, which implements the interface.
     """
     from vllm import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import _run_in_subprocess
 
     registered = [a for a in architectures if a in ModelRegistry.get_supported_archs()]
     if not registered:
         return
-    model_cls = ModelRegistry.models[registered[0]].load_model_cls()
-    if not supports_eagle3(model_cls):
+    model = ModelRegistry.models[registered[0]]
+    if not _run_in_subprocess(lambda: supports_eagle3(model.load_model_cls())):
         raise ModelRefused(
-            f"vLLM's {model_cls.__name__} (architecture {registered[0]}) does not implement the EAGLE-3 "
-            "interface (SupportsEagle3), so extract_hidden_states cannot capture its layers; use --engine hf"
+            f"vLLM's model class for architecture {registered[0]} does not implement the EAGLE-3 interface "
+            "(SupportsEagle3), so extract_hidden_states cannot capture its layers; use --engine hf"
         )
 
 
@@ -100,6 +177,7 @@ class VLLMRunner:
         hidden_states_dir: Path,
         trust_remote_code: bool,
         engine_kwargs: dict[str, Any],
+        capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
     ) -> None:
         self._model_path = model_path
         self._config = config
@@ -108,6 +186,9 @@ class VLLMRunner:
         self._hidden_states_dir = hidden_states_dir
         self._trust_remote_code = trust_remote_code
         self._engine_kwargs = engine_kwargs
+        self._capture_timeout_s = capture_timeout_s
+        # Capture files whose write had not ended when their batch was done; removed by later batches.
+        self._unfinished: set[str] = set()
         self._llm: Any = None
         self._sampling_params: Any = None
         self._aux_layer_ids: list[int] = []
@@ -125,20 +206,27 @@ class VLLMRunner:
         device: torch.device | str | None = None,
         trust_remote_code: bool = False,
         hidden_states_dir: str | Path = DEFAULT_HIDDEN_STATES_DIR,
+        capture_timeout_s: float | str = DEFAULT_CAPTURE_TIMEOUT_S,
         **engine_kwargs: object,
     ) -> VLLMRunner:
         """Start the engine. `hidden_states_dir` should be memory-backed: every request's capture passes
-        through it as a file. `engine_kwargs` are vLLM engine arguments (see `vllm_engine_kwargs`)."""
+        through it as a file; `capture_timeout_s` bounds the wait for one file's write. `engine_kwargs` are
+        vLLM engine arguments (see `vllm_engine_kwargs`). Everything that can be refused is refused before
+        the engine starts, with CUDA left uninitialised in this process."""
         model_path = str(model_path)
         typed_kwargs = vllm_engine_kwargs(engine_kwargs)
+        try:
+            timeout_s = float(capture_timeout_s)
+        except ValueError:
+            raise ModelRefused(
+                f"capture_timeout_s={capture_timeout_s!r} is not a number of seconds"
+            ) from None
+        if not timeout_s > 0:
+            raise ModelRefused(f"capture_timeout_s must be positive, got {capture_timeout_s!r}")
+        refuse_in_process_engine()
         full_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         config = text_config(full_config)
-        transform = logit_transform(config)
-        if transform is not None:
-            raise ModelRefused(
-                f"{model_path}: config.{transform} transforms the logits, which the vLLM runner's logits "
-                "rebuild does not reproduce; use --engine hf"
-            )
+        refuse_unsupported_model(model_path, config)
         require_eagle3_support(getattr(full_config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
         Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)
@@ -154,6 +242,7 @@ class VLLMRunner:
                 run_dir,
                 trust_remote_code,
                 typed_kwargs,
+                timeout_s,
             )
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -164,19 +253,26 @@ class VLLMRunner:
     def engine_config(self, capture_ids: Sequence[int]) -> dict[str, Any]:
         """Everything `vllm.LLM` receives besides the user's engine arguments.
 
-        Keys as read in vLLM 0.33: `SpeculativeConfig.__post_init__` (method, num_speculative_tokens == 1,
-        `draft_model_config["hf_config"]`), `KVTransferConfig` (connector name, a role is required) and the
-        connector's `shared_storage_path` extra key.
+        Keys as read in vLLM 0.33: `SpeculativeConfig.__post_init__` (method; the
+        `draft_model_config["hf_config"]` keys override the wrapped target config), whose proposer (V1) or
+        speculator (MRv2, the default runner) requires num_speculative_tokens == 1; `KVTransferConfig`
+        (connector name, a role is required) and the connector's `shared_storage_path` extra key. The
+        capture ids go sorted: native model classes write the layers ascending whatever the order, the
+        Transformers backend in the order given (review B1). No tokenizer is loaded: the runner sends token
+        ids and reads no text.
         """
         return {
             "model": self._model_path,
             "dtype": self._dtype_name,
             "trust_remote_code": self._trust_remote_code,
+            "skip_tokenizer_init": True,
             "enable_prefix_caching": False,
             "speculative_config": {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(capture_ids)}
+                },
             },
             "kv_transfer_config": {
                 "kv_connector": HIDDEN_STATES_CONNECTOR,
@@ -213,28 +309,48 @@ class VLLMRunner:
             raise
 
     def check_logits_rebuild(self) -> None:
-        """The rebuilt logits must pick the token vLLM sampled greedily from its own logits.
+        """The logits rebuilt from the captured final state must be vLLM's own, in value, not only argmax.
 
+        At each check prompt's last position vLLM samples greedily and returns its top log-probabilities
+        (`logprobs_mode="raw_logprobs"`, the default: the model's logits before any sampling processing).
         A model whose final norm or head differs from the rebuild (a `(1 + w)` RMSNorm, a logit scale, a
         capture id `L` that is not the true final state) fails here, at startup, instead of serving wrong
-        supervision.
+        supervision; a scale keeps every greedy token, so the log-probabilities are compared too.
         """
+        from vllm import SamplingParams
+
         gen = torch.Generator().manual_seed(0)
         length = min(REBUILD_CHECK_TOKENS, self.max_prompt_len)
         prompts = torch.randint(0, self._config.vocab_size, (REBUILD_CHECK_PROMPTS, length), generator=gen)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, logprobs=REBUILD_CHECK_LOGPROBS
+        )
         agreeing = 0
-        with contextlib.closing(self.capture(prompts.tolist())) as captures:
-            for states, sampled in captures:
+        rebuilt: list[Tensor] = []
+        engine: list[Tensor] = []
+        with contextlib.closing(self.capture(prompts.tolist(), params)) as captures:
+            for states, completion in captures:
                 last = states[-1:, -1].to(device=self._device, dtype=self.model.norm.dtype)
-                logits = F.linear(
-                    rms_norm(last, self.model.norm, self._config.rms_norm_eps), self.model.lm_head
-                )
-                agreeing += int(logits.argmax(dim=-1).item() == sampled)
-        if agreeing < REBUILD_CHECK_MIN_AGREEMENT * REBUILD_CHECK_PROMPTS:
-            raise RuntimeError(
-                f"the logits rebuilt from vLLM's captured final hidden state pick vLLM's own greedy token "
-                f"for only {agreeing} of {REBUILD_CHECK_PROMPTS} prompts: this model's final norm or LM head "
-                "is not the Llama-style one the vLLM runner reproduces; use --engine hf"
+                normed = rms_norm(last, self.model.norm, self._config.rms_norm_eps)
+                logits = F.linear(normed, self.model.lm_head)[0].float()
+                agreeing += int(logits.argmax().item() == completion.token_ids[0])
+                top = completion.logprobs[0]
+                rebuilt.append(torch.log_softmax(logits, dim=-1)[list(top)].cpu())
+                engine.append(torch.tensor([lp.logprob for lp in top.values()], dtype=torch.float64))
+        scale, max_diff = compare_logprobs(rebuilt, engine)
+        if (
+            agreeing < REBUILD_CHECK_MIN_AGREEMENT * REBUILD_CHECK_PROMPTS
+            or max_diff > REBUILD_CHECK_MAX_LOGPROB_DIFF
+            or abs(scale - 1) > REBUILD_CHECK_MAX_SCALE_ERROR
+        ):
+            raise ModelRefused(
+                "the logits rebuilt from vLLM's captured final hidden state are not vLLM's own: they pick "
+                f"vLLM's greedy token for {agreeing} of {REBUILD_CHECK_PROMPTS} prompts (at least "
+                f"{REBUILD_CHECK_MIN_AGREEMENT:.0%} needed), their log-probabilities differ from vLLM's by "
+                f"up to {max_diff:.3f} (at most {REBUILD_CHECK_MAX_LOGPROB_DIFF} allowed), and vLLM's logits "
+                f"are {scale:.3f} times the rebuilt ones (1 ± {REBUILD_CHECK_MAX_SCALE_ERROR} allowed): this "
+                "model's final norm or LM head is not the Llama-style one the vLLM runner reproduces; use "
+                "--engine hf"
             )
 
     def stop_engine(self) -> None:
@@ -264,9 +380,9 @@ class VLLMRunner:
 
     @property
     def max_prompt_len(self) -> int:
-        """Longest row vLLM accepts (`InputProcessor._validate_model_input`: the prompt plus the one
-        generated token must fit in max_model_len), which also keeps every row inside the capture
-        (`_input_fits_in_drafter` skips the capture of a batch whose longest row + 1 exceeds it)."""
+        """Longest row vLLM accepts (`InputProcessor._validate_prompt_len`: the prompt plus the one
+        generated token must fit in max_model_len). On the V1 model runner this also keeps every row
+        inside the capture (`_input_fits_in_drafter` skips a batch whose longest row + 1 exceeds it)."""
         return int(self._llm.model_config.max_model_len) - 1
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
@@ -317,34 +433,41 @@ class VLLMRunner:
         final, aux = self.forward_hidden(input_ids, attention_mask)
         return F.linear(final, self.model.lm_head), aux
 
-    def capture(self, prompts: list[list[int]]) -> Generator[tuple[Tensor, int]]:
+    def capture(self, prompts: list[list[int]], params: Any = None) -> Generator[tuple[Tensor, Any]]:
         """Run the prompts as one `generate` call; yield, in request order, each row's [n, 3+1, H] states
-        (aux in the requested order, then h_L) and the token vLLM sampled after it. Every row's file is
-        gone once the generator is closed."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
-
+        (aux in the requested order, then h_L) and vLLM's `CompletionOutput` for it (the greedy token, and
+        log-probabilities when `params` asks for them). Every row's file is gone once the generator is
+        closed, or, if its write has not ended by then, once a later call finds it ended."""
+        for path in list(self._unfinished):
+            if discard_capture(path, timeout_s=0):
+                self._unfinished.discard(path)
         outputs = self._llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], self._sampling_params, use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompts], params or self._sampling_params, use_tqdm=False
         )
         paths = [(out.kv_transfer_params or {}).get(HIDDEN_STATES_PATH_KEY) for out in outputs]
-        sampled = [out.outputs[0].token_ids[0] for out in outputs]
         order = file_positions(self._capture_ids)
+        late: set[str] = set()  # files whose write outlasted the wait: not waited for again below
         try:
-            for row, (prompt, path, token) in enumerate(zip(prompts, paths, sampled, strict=True)):
+            for row, (prompt, path, out) in enumerate(zip(prompts, paths, outputs, strict=True)):
                 if path is None:
                     raise RuntimeError(
                         f"row {row}: vLLM returned no {HIDDEN_STATES_PATH_KEY} (is the hidden-states "
                         "connector configured?)"
                     )
-                data = load_hidden_states(path)
-                cleanup_hidden_states(path)
+                completion = out.outputs[0]
+                if not completion.token_ids:
+                    raise RuntimeError(
+                        f"row {row}: vLLM returned no token (finish reason: {completion.finish_reason})"
+                    )
+                late.add(path)
+                data = read_capture(row, path, self._capture_timeout_s)
+                late.discard(path)
                 states = check_capture(row, data, prompt, len(order), self._config.hidden_size)
-                yield states[:, order], token
+                yield states[:, order], completion
         finally:
             # A failed row must not leave the other rows' files behind in shared memory.
             for path in paths:
-                if path is not None:
-                    discard_capture(path)
+                if path is not None and not discard_capture(
+                    path, 0 if path in late else self._capture_timeout_s
+                ):
+                    self._unfinished.add(path)

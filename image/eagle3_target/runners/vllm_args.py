@@ -88,11 +88,26 @@ RUNNER_OWNED_ARGS = {
     "speculative_config": "the runner configures the extract_hidden_states method",
     "kv_transfer_config": "the runner configures the hidden-states connector",
     "enable_prefix_caching": "prefix caching is kept off so every prompt position is computed and captured",
+    "skip_tokenizer_init": "the runner sends token ids and reads no text, so vLLM loads no tokenizer",
+}
+
+# Values vLLM 0.33 accepts but the capture cannot run with, each with the reason.
+REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "pipeline_parallel_size": (
+        lambda size: size > 1,
+        "only the last pipeline stage builds the hidden-states cache layer, and vLLM 0.33's connector "
+        "asserts it on every stage (engine start fails); use tensor_parallel_size to spread the model",
+    ),
+    "distributed_executor_backend": (
+        lambda backend: backend == "external_launcher",
+        "it sets VLLM_ENABLE_V1_MULTIPROCESSING=0, an in-process engine that writes a batch's capture files "
+        "only at its next step, so the runner would wait for them forever; use mp (the default) or ray",
+    ),
 }
 
 
 # Engine arguments that are the runner's own options (`VLLMRunner.from_pretrained` keywords), not vLLM's.
-RUNNER_OPTIONS = frozenset({"hidden_states_dir"})
+RUNNER_OPTIONS = frozenset({"hidden_states_dir", "capture_timeout_s"})
 
 
 def coerce_engine_arg(key: str, value: object) -> Any:
@@ -110,8 +125,8 @@ def coerce_engine_arg(key: str, value: object) -> Any:
 def vllm_engine_kwargs(args: Mapping[str, object]) -> dict[str, Any]:
     """Validate and type the user's engine arguments (`--engine-arg KEY=VALUE`, keys with - or _).
 
-    Unknown keys and keys the runner owns are refused with the reason, so a typo fails at startup instead
-    of being silently ignored or reaching vLLM as a string.
+    Unknown keys, keys the runner owns and values the capture cannot run with are refused with the reason,
+    so a typo fails at startup instead of being silently ignored or reaching vLLM as a string.
     """
     kwargs: dict[str, Any] = {}
     for raw_key, value in args.items():
@@ -128,6 +143,11 @@ def vllm_engine_kwargs(args: Mapping[str, object]) -> dict[str, Any]:
         if key in kwargs:
             raise ModelRefused(f"engine argument {key} given twice")
         kwargs[key] = coerce_engine_arg(key, value)
+        refused, reason = REFUSED_VALUES.get(key, (None, ""))
+        if refused is not None and refused(kwargs[key]):
+            raise ModelRefused(
+                f"engine argument {key}={kwargs[key]} is not supported by the vLLM runner: {reason}"
+            )
     return kwargs
 
 

@@ -32,3 +32,12 @@ def test_logit_transform_names_the_field_unless_it_is_the_identity():
     assert logit_transform(SimpleNamespace(final_logit_softcapping=1.0)) == "final_logit_softcapping"
     assert logit_transform(SimpleNamespace(logit_scale=0.0625)) == "logit_scale"
     assert logit_transform(SimpleNamespace(logits_scaling=8.0)) == "logits_scaling"
+
+
+def test_logit_scales_that_keep_the_argmax_are_named_too():
+    # MiniCPM divides the normed final state by hidden_size / dim_model_base; MuseGlimmer multiplies.
+    assert logit_transform(SimpleNamespace(hidden_size=2304, dim_model_base=256)) == "dim_model_base"
+    assert logit_transform(SimpleNamespace(hidden_size=256, dim_model_base=256)) is None
+    assert logit_transform(SimpleNamespace(hidden_size=256, dim_model_base=None)) is None
+    assert logit_transform(SimpleNamespace(output_multiplier=0.25)) == "output_multiplier"
+    assert logit_transform(SimpleNamespace(output_multiplier=1.0)) is None

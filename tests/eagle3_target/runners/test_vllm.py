@@ -20,7 +20,7 @@ import torch
 from eagle3_target.runners import ModelRefused, TargetRunner, check_engine_args, load_runner, model_info
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import VLLMRunner
-from eagle3_target.runners.vllm_args import RUNNER_OPTIONS
+from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, RUNNER_OPTIONS, RUNNER_OWNED_ARGS
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
 
@@ -60,12 +60,16 @@ def open_runner(model_dir: Path, shm: Path, **kwargs) -> VLLMRunner:
     )
 
 
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_matches_hf_runner_on_ragged_batch(model_dir, request, fake_vllm, shm):
+def test_matches_hf_runner_on_ragged_batch(model_dir, model_impl, request, fake_vllm, shm):
+    """On both of vLLM's backends: native classes write the layers ascending, the Transformers backend in
+    the order it was given (review B1), so aux ids that are not ascending must still come back in order."""
     path = request.getfixturevalue(model_dir)
-    aux = [5, 0, 3]  # not ascending: vLLM's file is, so the runner must restore this order
+    aux = [5, 0, 3]
     hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=aux)
-    runner = open_runner(path, shm, aux_layer_ids=aux)
+    runner = open_runner(path, shm, aux_layer_ids=aux, model_impl=model_impl)
+    assert fake_vllm.LLM.created[-1].backend == ("transformers" if model_impl == "transformers" else "vllm")
     input_ids, mask = ragged_batch(hf.model.config.vocab_size)
 
     logits, aux_states = runner.forward_eagle3(input_ids, mask)
@@ -101,16 +105,20 @@ def test_weights_and_model_info_match_hf(tiny_qwen3_dir, fake_vllm, shm):
 def test_one_generate_call_per_batch_and_waits_for_async_writes(tiny_llama_dir, fake_vllm, shm, monkeypatch):
     runner = open_runner(tiny_llama_dir, shm)
     llm = fake_vllm.LLM.created[-1]
-    # The connector writes after generate returns; reading without its lock would find no file.
-    llm.write_delay_s = 0.2
     calls = []
     real_generate = llm.generate
-    monkeypatch.setattr(
-        llm, "generate", lambda prompts, *a, **k: calls.append(prompts) or real_generate(prompts, *a, **k)
-    )
+
+    def generate(prompts, *args, **kwargs):
+        outputs = real_generate(prompts, *args, **kwargs)
+        # The connector writes a step after the request finished: no file exists when generate returns.
+        written = [Path(o.kv_transfer_params["hidden_states_path"]).exists() for o in outputs]
+        calls.append(([len(p["prompt_token_ids"]) for p in prompts], written))
+        return outputs
+
+    monkeypatch.setattr(llm, "generate", generate)
     input_ids, mask = ragged_batch(256)
     _, aux_states = runner.forward_eagle3(input_ids, mask)
-    assert [[len(p["prompt_token_ids"]) for p in prompts] for prompts in calls] == [[11, 7, 3]]
+    assert calls == [([11, 7, 3], [False, False, False])]
     assert aux_states[0, :11].abs().sum() > 0
     runner.close()
 
@@ -129,12 +137,13 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
         "model": str(tiny_llama_dir),
         "dtype": "float32",
         "trust_remote_code": False,
-        "tensor_parallel_size": 1,
+        "skip_tokenizer_init": True,
         "enable_prefix_caching": False,
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [7, 2, 4, 8]}},
+            # Sorted, so the file order is ascending on every backend (review B1).
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 7, 8]}},
         },
         "kv_transfer_config": {
             "kv_connector": "ExampleHiddenStatesConnector",
@@ -146,7 +155,7 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
         "enforce_eager": True,
     }
     assert runner.hidden_states_dir.parent == shm
-    assert runner._sampling_params.max_tokens == 1
+    assert runner.aux_layer_ids == [6, 1, 3]
     runner.close()
     assert not llm.llm_engine.engine_core.running
     assert not runner.hidden_states_dir.exists()
@@ -186,11 +195,7 @@ def test_server_loads_the_vllm_engine_and_passes_its_canary(tiny_qwen3_dir, fake
     # vLLM keeps one of the 128 slots for the generated token: the server must refuse 128-token rows itself.
     assert target.max_model_len == target.info.max_model_len == 127
     received = fake_vllm.LLM.created[-1].init_kwargs
-    assert (received["tensor_parallel_size"], received["max_model_len"], received["enforce_eager"]) == (
-        1,
-        128,
-        True,
-    )
+    assert (received["max_model_len"], received["enforce_eager"]) == (128, True)
     target.runner.close()
 
 
@@ -263,7 +268,6 @@ def test_bad_captures_are_refused_and_files_removed(
     # One slow writer thread: rows 1-2 are still being written when row 0 fails; their files must be
     # deleted after the writes end, or they reappear.
     llm = fake_vllm.LLM.created[-1]
-    llm.write_delay_s = 0.05
     llm.writer = ThreadPoolExecutor(max_workers=1)
     monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(fault))
     input_ids, mask = ragged_batch(256)
@@ -296,7 +300,7 @@ def test_startup_refuses_a_logits_rebuild_that_disagrees_with_vllm(
         return torch.cat((states[:, :-1], -states[:, -1:]), dim=1), token_ids
 
     monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(negate_final_state))
-    with pytest.raises(RuntimeError, match=r"own greedy token for only 0 of 8 prompts"):
+    with pytest.raises(ModelRefused, match=r"pick vLLM's greedy token for 0 of 8 prompts"):
         open_runner(tiny_llama_dir, shm)
     (llm,) = fake_vllm.LLM.created
     assert not llm.llm_engine.engine_core.running
@@ -308,3 +312,202 @@ def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
     with pytest.raises(ValueError, match="right-padded"):
         runner.forward_eagle3(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]))
     runner.close()
+
+
+# ---- what a read of vLLM 0.33's source found (review-vllm-runner.md, B1-B5) ------------------------------
+
+
+def copy_model(source: Path, target: Path, **config_changes) -> Path:
+    """A copy of a tiny checkpoint with config.json changed (weights shared as they are)."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(config_changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dim_model_base": 16}, r"config\.dim_model_base"),  # MiniCPM: lm_head(final_norm(h) / 4)
+        ({"output_multiplier": 0.5}, r"config\.output_multiplier"),  # MuseGlimmer
+        ({"kv_lora_rank": 16}, r"MLA attention"),
+        ({"model_type": "qwen3_next"}, r"\(1 \+ w\) RMSNorm"),
+    ],
+)
+def test_models_the_rebuild_cannot_reproduce_are_refused_before_engine_start(
+    tiny_llama_dir, fake_vllm, shm, tmp_path, changes, message
+):
+    model_dir = copy_model(tiny_llama_dir, tmp_path / "model", **changes)
+    with pytest.raises(ModelRefused, match=message) as refused:
+        open_runner(model_dir, shm)
+    assert "--engine hf" in str(refused.value)
+    assert fake_vllm.LLM.created == []
+    assert list(shm.iterdir()) == []
+
+
+def test_startup_refuses_a_logit_scale_that_keeps_the_argmax(tiny_llama_dir, fake_vllm, shm, monkeypatch):
+    """A scale the config does not name (B2) keeps every greedy token, so only logit values reveal it."""
+    monkeypatch.setattr(fake_vllm.LLM, "logit_fault", staticmethod(lambda logits: logits * 3.0))
+    with pytest.raises(
+        ModelRefused, match=r"for 8 of 8 prompts.*vLLM's logits are 3\.000 times the rebuilt ones"
+    ):
+        open_runner(tiny_llama_dir, shm)
+    (llm,) = fake_vllm.LLM.created
+    assert not llm.llm_engine.engine_core.running
+    assert list(shm.iterdir()) == []
+
+
+def test_startup_refuses_logits_that_differ_beyond_a_scale(tiny_llama_dir, fake_vllm, shm, monkeypatch):
+    """A final norm or head variant the rebuild does not know shifts logits per token: refused at load."""
+    offset = torch.randn(256, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(fake_vllm.LLM, "logit_fault", staticmethod(lambda logits: logits + 2.0 * offset))
+    with pytest.raises(ModelRefused, match=r"differ from vLLM's by up to"):
+        open_runner(tiny_llama_dir, shm)
+
+
+def test_pipeline_parallelism_is_refused_before_engine_start(tiny_llama_dir, fake_vllm, shm):
+    with pytest.raises(ModelRefused, match=r"pipeline_parallel_size=2 .*last pipeline stage"):
+        open_runner(tiny_llama_dir, shm, pipeline_parallel_size=2)
+    assert fake_vllm.LLM.created == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("env", "engine_args"),
+    [
+        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, {}),
+        ({}, {"distributed_executor_backend": "external_launcher"}),
+    ],
+)
+def test_in_process_engine_is_refused(tiny_llama_dir, fake_vllm, shm, monkeypatch, env, engine_args):
+    """In-process, the last batch's files are written only at the next engine step, which never comes:
+    reading them would block forever (B4)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ModelRefused, match=r"VLLM_ENABLE_V1_MULTIPROCESSING"):
+        open_runner(tiny_llama_dir, shm, **engine_args)
+    assert fake_vllm.LLM.created == []
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_never_ends_is_a_bounded_error_and_the_engine_keeps_serving(
+    tiny_llama_dir, fake_vllm, shm
+):
+    runner = open_runner(tiny_llama_dir, shm, capture_timeout_s="0.5")
+    llm = fake_vllm.LLM.created[-1]
+    llm.stall_write_rows = {1}
+    input_ids, mask = ragged_batch(256)
+    with pytest.raises(
+        RuntimeError, match=r"row 1: vLLM's connector did not finish writing .* within 0\.5 s"
+    ):
+        runner.forward_eagle3(input_ids, mask)
+    llm.stall_write_rows = set()
+    # The next batch is served while the stalled write is still pending.
+    _, aux_states = runner.forward_eagle3(input_ids, mask)
+    assert torch.isfinite(aux_states).all()
+    assert len(list(runner.hidden_states_dir.iterdir())) == 1, "only the stalled write's lock is left"
+    # When the write finally lands, the next batch removes its file and lock.
+    llm.release_stalled_writes()
+    runner.forward_eagle3(input_ids, mask)
+    assert not any(runner.hidden_states_dir.iterdir())
+    runner.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        # vLLM only logs a failed write (`_on_write_done`) and releases the lock: no file appears.
+        ("fail_write_rows", r"row 1: vLLM's connector wrote no capture file"),
+        # An aborted request comes back without a token, but its file is still written (B5).
+        ("abort_rows", r"row 1: vLLM returned no token \(finish reason: abort\)"),
+    ],
+)
+def test_a_failed_write_or_aborted_request_is_a_clear_error_and_leaks_no_files(
+    tiny_llama_dir, fake_vllm, shm, fault, message
+):
+    runner = open_runner(tiny_llama_dir, shm)
+    llm = fake_vllm.LLM.created[-1]
+    setattr(llm, fault, {1})
+    input_ids, mask = ragged_batch(256)
+    with pytest.raises(RuntimeError, match=message):
+        runner.forward_eagle3(input_ids, mask)
+    assert not any(runner.hidden_states_dir.iterdir()), "every row's file must be removed after a failure"
+    setattr(llm, fault, set())
+    _, aux_states = runner.forward_eagle3(input_ids, mask)
+    assert torch.isfinite(aux_states).all()
+    runner.close()
+
+
+def test_the_eagle3_check_leaves_cuda_uninitialised_in_this_process(tiny_llama_dir, fake_vllm, shm, tmp_path):
+    """Importing vLLM's model class may initialise CUDA, which makes vLLM spawn its workers; the runner
+    inspects the class in a child process, as vLLM's registry does, and still refuses unsupported ones."""
+    runner = open_runner(tiny_llama_dir, shm)
+    assert not fake_vllm.CUDA_STATE.initialized
+    runner.close()
+    gemma = copy_model(tiny_llama_dir, tmp_path / "gemma3-like", architectures=["Gemma3ForCausalLM"])
+    with pytest.raises(ModelRefused, match=r"does not implement the EAGLE-3 interface"):
+        open_runner(gemma, shm)
+    assert not fake_vllm.CUDA_STATE.initialized
+
+
+# ---- the stand-in is as strict as vLLM 0.33 ---------------------------------------------------------------
+
+
+def test_every_engine_argument_the_runner_passes_exists_in_vllm_0_33(fake_vllm):
+    assert set(ENGINE_ARG_PARSERS) <= fake_vllm.ENGINE_ARGS
+    assert set(RUNNER_OWNED_ARGS) <= fake_vllm.ENGINE_ARGS
+    assert {"skip_tokenizer_init", "max_logprobs"} <= fake_vllm.ENGINE_ARGS
+
+
+def stand_in_engine(model_dir: Path, shm: Path, capture_ids: list[int], **kwargs) -> object:
+    return stand_in.LLM(
+        str(model_dir),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(shm)},
+        },
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("capture_ids", "kwargs", "error", "message"),
+    [
+        ([2, 4, 8], {"max_num_seq": 4}, TypeError, r"unexpected keyword argument 'max_num_seq'"),
+        ([2, 2, 8], {}, RuntimeError, r"Expected 3 auxiliary hidden states, got 2"),
+        (
+            [2, 2, 8],
+            {"model_impl": "transformers"},
+            RuntimeError,
+            r"Expected 3 auxiliary hidden states, got 2",
+        ),
+        ([], {}, ValueError, r"eagle_aux_hidden_state_layer_ids must be set"),
+        (
+            [2, 4, 8],
+            {"pipeline_parallel_size": 2},
+            RuntimeError,
+            r"Expected 1 CacheOnlyAttentionLayer, got 0",
+        ),
+    ],
+)
+def test_the_stand_in_fails_where_vllm_does(
+    tiny_llama_dir, fake_vllm, shm, capture_ids, kwargs, error, message
+):
+    with pytest.raises(error, match=message):
+        stand_in_engine(tiny_llama_dir, shm, capture_ids, **kwargs)
+
+
+def test_the_stand_in_writes_in_given_order_on_the_transformers_backend(tiny_llama_dir, fake_vllm, shm):
+    native = stand_in_engine(tiny_llama_dir, shm, [7, 2, 8])
+    transformers_backend = stand_in_engine(tiny_llama_dir, shm, [7, 2, 8], model_impl="transformers")
+    assert native.capture_layers == (2, 7, 8) and transformers_backend.capture_layers == (7, 2, 8)
+    params = fake_vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=21)
+    with pytest.raises(ValueError, match=r"greater than max allowed: 20"):
+        native.generate([{"prompt_token_ids": [1, 2, 3]}], params)

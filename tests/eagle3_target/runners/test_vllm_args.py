@@ -47,6 +47,10 @@ def test_engine_kwargs_are_typed():
         ({"enforce_eager": "maybe"}, r"expected a boolean"),
         ({"compilation_config": "[1]"}, r"expected a JSON object"),
         ({"max-model-len": "1", "max_model_len": "2"}, r"given twice"),
+        # vLLM 0.33's hidden-states connector cannot run on a pipeline stage before the last (review B3).
+        ({"pipeline_parallel_size": "2"}, r"pipeline_parallel_size=2 .*last pipeline stage"),
+        # This backend runs the engine in-process, which never writes the last batch's files (B4).
+        ({"distributed_executor_backend": "external_launcher"}, r"VLLM_ENABLE_V1_MULTIPROCESSING=0"),
     ],
 )
 def test_bad_engine_kwargs_are_refused(args, message):
@@ -54,8 +58,15 @@ def test_bad_engine_kwargs_are_refused(args, message):
         vllm_engine_kwargs(args)
 
 
+def test_single_stage_and_other_executors_are_accepted():
+    assert vllm_engine_kwargs({"pipeline_parallel_size": "1", "distributed_executor_backend": "mp"}) == {
+        "pipeline_parallel_size": 1,
+        "distributed_executor_backend": "mp",
+    }
+
+
 def test_every_engine_arg_has_a_parser_for_its_cli_string():
-    samples = {"parse_fraction": "0.5", "parse_positive_int": "3", "int": "3", "float": "1.5", "str": "x"}
+    samples = {"parse_fraction": "0.5", "parse_positive_int": "1", "int": "3", "float": "1.5", "str": "x"}
     samples |= {"parse_bool": "true", "parse_json_object": "{}"}
     for key, parser in ENGINE_ARG_PARSERS.items():
         assert vllm_engine_kwargs({key: samples[parser.__name__]})[key] == parser(samples[parser.__name__])
