@@ -127,6 +127,13 @@ def _rebuild_hidden(r: Rebuild) -> Eagle3TargetBatch:
     return r.full_vocab(logits_from_hidden(r.tensors["final_hidden"], r.lm_head_weight))
 
 
+def _refuse_prenorm(r: Rebuild) -> Eagle3TargetBatch:
+    raise ValueError(
+        "format 'hidden_prenorm' ships h_L before the final norm, for trainers that apply the target's norm "
+        "themselves; the trainer batch is rebuilt from 'hidden'"
+    )
+
+
 def _rebuild_logits(r: Rebuild) -> Eagle3TargetBatch:
     return r.full_vocab(r.tensors["logits"])
 
@@ -167,6 +174,7 @@ COMPUTATIONS: dict[str, Computation] = {
     "draft": Computation(_draft_logits, _rebuild_draft, draft_vocab_tensor="draft_logits"),
     "probs": Computation(_draft_probs, _rebuild_probs, draft_vocab_tensor="target_probs"),
     "logits": Computation(_full_logits, _rebuild_logits),
+    "hidden_prenorm": Computation(None, _refuse_prenorm),
 }
 
 
@@ -187,14 +195,18 @@ def supervision(
     logits_dtype: torch.dtype = torch.float32,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> dict[str, Tensor]:
-    """The tensors of one format, unshifted. Full logits exist only one chunk of tokens at a time."""
+    """The tensors of one format, unshifted. Full logits exist only one chunk of tokens at a time.
+
+    `final_hidden` is what the runner gave for this format: h_L before the final norm for a `prenorm`
+    format, final_norm(h_L) for every other.
+    """
     _check_format(fmt, mapping)
     if final_hidden.dim() != 3:
         raise ValueError(f"final_hidden must be [B, S, H], got {tuple(final_hidden.shape)}")
     check_aligned(tuple(final_hidden.shape[:2]), aux)
     from_logits = COMPUTATIONS[fmt].from_logits
     if from_logits is None:
-        return {"aux_hidden_states": aux, "final_hidden": final_hidden}
+        return {"aux_hidden_states": aux, FORMATS[fmt].tensors[1]: final_hidden}
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     vocab = lm_head_weight.shape[0]

@@ -35,6 +35,9 @@ class Format:
     tensors: tuple[str, ...]
     needs_vocab: bool = False  # computed in a draft vocabulary: `vocab=<mapping id>` is required
     takes_dtype: bool = False  # full-vocab logits whose dtype `dtype=` picks
+    # Its last hidden state is h_L *before* the final norm, for trainers that apply the target's norm
+    # themselves (speculators); NeMo's trainer batch cannot be rebuilt from it.
+    prenorm: bool = False
 
 
 FORMATS: dict[str, Format] = {
@@ -42,6 +45,7 @@ FORMATS: dict[str, Format] = {
     "draft": Format(("aux_hidden_states", "draft_logits", "logsumexp", "argmax"), needs_vocab=True),
     "probs": Format(("aux_hidden_states", "target_probs", "position_mask"), needs_vocab=True),
     "logits": Format(("aux_hidden_states", "logits"), takes_dtype=True),
+    "hidden_prenorm": Format(("aux_hidden_states", "final_hidden_prenorm"), prenorm=True),
 }
 
 

@@ -17,6 +17,9 @@ MAX_POSITIONS = 1024
 # Larger than transformers' 0.02 so random logits are peaked enough that argmax and the draft-vocab
 # position mask vary across positions instead of sitting on near-uniform distributions.
 INIT_STD = 0.1
+# RMSNorm weights are drawn from [1 - s, 1 + s] instead of left at 1: with unit weights norm(norm(x)) equals
+# norm(x), so a test could not tell a pre-norm hidden state from a post-norm one.
+NORM_WEIGHT_SPREAD = 0.5
 
 
 def write_tiny_model(
@@ -31,6 +34,7 @@ def write_tiny_model(
     max_shard_size: str | None = None,
 ) -> Path:
     """Save a seeded random model: Llama-style with an untied lm_head, or Qwen3-style with tied embeddings.
+    Every norm weight is random too (see `NORM_WEIGHT_SPREAD`).
 
     `max_shard_size` (e.g. "50KB") splits the safetensors into shards with an index, like large checkpoints.
     """
@@ -60,7 +64,12 @@ def write_tiny_model(
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError("dtype must be concrete (e.g. float32, bfloat16), not 'auto'")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch_dtype)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(1 - NORM_WEIGHT_SPREAD, 1 + NORM_WEIGHT_SPREAD)
+    model = model.to(torch_dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}

@@ -1,4 +1,4 @@
-"""The four supervision formats: exact against the full-logit math, and each rebuilds NeMo's batch exactly."""
+"""The supervision formats: exact against the full-logit math, and each rebuilds NeMo's batch exactly."""
 
 import pytest
 import torch
@@ -24,12 +24,14 @@ def target(request):
     loss_mask = attention_mask * torch.randint(0, 2, (3, 10), generator=gen)
     logits, aux = runner.forward_eagle3(input_ids, attention_mask)
     final, _ = runner.forward_hidden(input_ids, attention_mask)
+    prenorm, _ = runner.forward_hidden(input_ids, attention_mask, prenorm=True)
     mapping = VocabMapping.from_selected_ids(torch.randperm(256, generator=gen)[:100], 256)
     return {
         "dtype": DTYPES[dtype],
         "logits": logits,
         "aux": aux,
         "final": final,
+        "prenorm": prenorm,
         "lm_head": runner.lm_head_weight(),
         "mapping": mapping,
         "input_ids": input_ids,
@@ -49,6 +51,19 @@ def test_hidden_format_ships_the_runner_tensors(target):
     assert set(out) == {"aux_hidden_states", "final_hidden"}
     assert out["final_hidden"] is target["final"] and out["aux_hidden_states"] is target["aux"]
     assert torch.equal(logits_from_hidden(out["final_hidden"], target["lm_head"]), target["logits"])
+
+
+def test_hidden_prenorm_format_ships_the_prenorm_state_with_as_many_bytes_as_hidden(target):
+    prenorm = target["prenorm"]
+    out = supervision("hidden_prenorm", prenorm, target["aux"], target["lm_head"])
+    assert set(out) == {"aux_hidden_states", "final_hidden_prenorm"}
+    assert out["final_hidden_prenorm"] is prenorm and out["aux_hidden_states"] is target["aux"]
+    hidden = supervision("hidden", target["final"], target["aux"], target["lm_head"])
+    assert sum(t.nbytes for t in out.values()) == sum(t.nbytes for t in hidden.values())
+    assert not torch.equal(prenorm, target["final"])
+    common = (target["input_ids"], target["attention_mask"], target["loss_mask"])
+    with pytest.raises(ValueError, match="before the final norm"):
+        batch_from_supervision("hidden_prenorm", out, *common, lm_head_weight=target["lm_head"])
 
 
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
@@ -99,7 +114,7 @@ def _assert_same_batch(got, expected):
         assert got.logits is None
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not FORMATS[f].prenorm])
 def test_every_format_rebuilds_nemos_probs_batch_after_the_wire(target, fmt):
     mapping = target["mapping"]
     sent = supervision(fmt, target["final"], target["aux"], target["lm_head"], mapping=mapping)

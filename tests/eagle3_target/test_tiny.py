@@ -63,3 +63,12 @@ def test_invalid_arguments(tmp_path):
         write_tiny_model(tmp_path, arch="gpt2")
     with pytest.raises(ValueError, match="concrete"):
         write_tiny_model(tmp_path, dtype="auto")
+
+
+def test_norm_weights_are_random_so_a_double_norm_shows(tmp_path):
+    weights = _weights(write_tiny_model(tmp_path / "m", arch="qwen3", num_layers=2))
+    norms = {k: w for k, w in weights.items() if k.endswith("norm.weight")}
+    assert "model.norm.weight" in norms and len(norms) == 9  # 4 per layer (qwen3 has q/k norms) + final
+    for name, weight in norms.items():
+        assert not torch.equal(weight, torch.ones_like(weight)), name
+        assert bool((weight > 0).all()), name

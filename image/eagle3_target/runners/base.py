@@ -27,7 +27,8 @@ class ModelRefused(ValueError):
 
 class ForwardHiddenUnsupported(ValueError):
     """`forward_hidden` refuses: this model's logits are not lm_head(final_norm(h_L)) (a softcap, a logit
-    scale), so only `forward_eagle3` gives them exactly. Callers that can take full logits fall back."""
+    scale), so only `forward_eagle3` gives them exactly. Callers that can take full logits fall back.
+    The pre-norm h_L claims nothing about the logits and is never refused."""
 
 
 @runtime_checkable
@@ -48,9 +49,12 @@ class TargetRunner(Protocol):
         ...
 
     def forward_hidden(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, prenorm: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) in the model dtype, without materialising full logits."""
+        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) in the model dtype, without materialising full logits.
+
+        With `prenorm`, h_L itself: the last decoder layer's output before the final norm (for trainers
+        that apply the target's norm themselves, like speculators)."""
         ...
 
     def input_embedding_weight(self) -> Tensor:

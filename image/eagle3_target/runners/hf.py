@@ -89,13 +89,14 @@ class HFRunner:
         def run(ids: Tensor, mask: Tensor) -> Tensor:
             return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
-        return self._forward_capturing_aux(run, input_ids, attention_mask)
+        logits, captured = self._run_capturing(run, input_ids, attention_mask, self.aux_layer_ids)
+        return logits, self._aux(captured)
 
     def forward_hidden(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, prenorm: bool = False
     ) -> tuple[Tensor, Tensor]:
         # Read per call, not at load: the config is the model's own, which its owner may still change.
-        field = logit_transform(self._config)
+        field = None if prenorm else logit_transform(self._config)
         if field is not None:
             raise ForwardHiddenUnsupported(f"this model's logits apply {field}; use forward_eagle3 for it")
 
@@ -103,11 +104,20 @@ class HFRunner:
             # The decoder alone stops at final_norm(h_L): no [B, S, V] logits are ever allocated.
             return self._decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
 
-        return self._forward_capturing_aux(run, input_ids, attention_mask)
+        # h_L is the last decoder layer's output, the tensor the decoder hands its final norm.
+        last = len(self._layers) - 1
+        layer_ids = [*self.aux_layer_ids, last] if prenorm else self.aux_layer_ids
+        final, captured = self._run_capturing(run, input_ids, attention_mask, layer_ids)
+        return (captured[last] if prenorm else final), self._aux(captured)
 
-    def _forward_capturing_aux(
-        self, run: Callable[[Tensor, Tensor], Tensor], input_ids: Tensor, attention_mask: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
+    def _run_capturing(
+        self,
+        run: Callable[[Tensor, Tensor], Tensor],
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        layer_ids: Sequence[int],
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """`run` on the checked batch, with the outputs of the decoder layers `layer_ids` captured."""
         ids, mask = check_inputs(input_ids, attention_mask, int(self._config.vocab_size))
         device = self.input_embedding_weight().device
         captured: dict[int, Tensor] = {}
@@ -118,16 +128,20 @@ class HFRunner:
 
             return hook
 
-        handles = [self._layers[i].register_forward_hook(hook_for(i)) for i in self.aux_layer_ids]
+        wanted = sorted(set(layer_ids))
+        handles = [self._layers[i].register_forward_hook(hook_for(i)) for i in wanted]
         try:
             with torch.no_grad():
                 main = run(ids.to(device), mask.to(device))
         finally:
             for handle in handles:
                 handle.remove()
-        if sorted(captured) != sorted(self.aux_layer_ids):
-            raise RuntimeError(f"captured layers {sorted(captured)}, expected {self.aux_layer_ids}")
-        return main, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        if sorted(captured) != wanted:
+            raise RuntimeError(f"captured layers {sorted(captured)}, expected {wanted}")
+        return main, captured
+
+    def _aux(self, captured: dict[int, Tensor]) -> Tensor:
+        return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
 
     def input_embedding_weight(self) -> Tensor:
         return self.model.get_input_embeddings().weight.detach()

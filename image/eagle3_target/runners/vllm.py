@@ -402,9 +402,11 @@ class VLLMRunner:
         return self.model.norm.detach()
 
     def forward_hidden(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, prenorm: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) unshifted; padding positions are zeros."""
+        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) unshifted; padding positions are zeros.
+
+        With `prenorm`, h_L as captured (capture id L is the residual before the final norm)."""
         ids, mask = check_inputs(input_ids, attention_mask, self._config.vocab_size)
         lengths = mask.sum(dim=1).tolist()
         if max(lengths) > self.max_prompt_len:
@@ -423,7 +425,8 @@ class VLLMRunner:
                 states = states.to(device=self._device, dtype=dtype)
                 n = len(prompt)
                 aux[r, :n] = states[:, : len(self._aux_layer_ids)].flatten(start_dim=1)
-                final[r, :n] = rms_norm(states[:, -1], self.model.norm, self._config.rms_norm_eps)
+                last = states[:, -1]
+                final[r, :n] = last if prenorm else rms_norm(last, self.model.norm, self._config.rms_norm_eps)
         return final, aux
 
     def forward_eagle3(

@@ -235,7 +235,9 @@ def supervision_compute(
     def compute(inputs: Tensors) -> Tensors:
         input_ids = inputs["input_ids"].to(target.device)
         attention_mask = inputs["attention_mask"].to(target.device)
-        final_hidden, aux = target.runner.forward_hidden(input_ids, attention_mask)
+        final_hidden, aux = target.runner.forward_hidden(
+            input_ids, attention_mask, prenorm=FORMATS[fmt].prenorm
+        )
         out = formats.supervision(
             fmt, final_hidden, aux, target.runner.lm_head_weight(), mapping=mapping, logits_dtype=logits_dtype
         )

@@ -79,6 +79,18 @@ def test_batch_of_a_bfloat16_target_equals_in_process_hf_batch_dtypes_included(s
             assert_identical(client.batch(*token_batch(8), format=fmt, mapping=mapping), expected)
 
 
+@pytest.mark.parametrize("fmt", ["hidden", "hidden_prenorm"])
+def test_supervise_gives_the_in_process_runners_unshifted_hidden_states(llama_server, llama_runner, fmt):
+    input_ids, attention_mask, _ = token_batch(3)
+    prenorm = fmt == "hidden_prenorm"
+    final, aux = llama_runner.forward_hidden(input_ids, attention_mask, prenorm=prenorm)
+    with TargetClient(llama_server.url, token=TOKEN) as client:
+        got = client.supervise(input_ids, attention_mask, format=fmt)
+    last = "final_hidden_prenorm" if prenorm else "final_hidden"
+    assert sorted(got) == sorted(["aux_hidden_states", last])
+    assert torch.equal(got["aux_hidden_states"], aux) and torch.equal(got[last], final)
+
+
 def test_formats_that_need_a_vocab_refuse_to_run_without_one(llama_server):
     with (
         TargetClient(llama_server.url, token=TOKEN) as client,

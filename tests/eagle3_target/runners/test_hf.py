@@ -50,6 +50,35 @@ def test_forward_hidden_gives_the_normed_final_state_that_the_lm_head_turns_into
     assert torch.equal(final, last)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_hidden_prenorm_is_the_last_decoder_layer_output_that_the_final_norm_takes(model_dir, dtype):
+    runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    ids = _ids(seed=5)
+    seen = {}
+    last_layer = reference.model.layers[-1]
+    handle = last_layer.register_forward_hook(lambda _m, _i, out: seen.setdefault("h", out))
+    with torch.no_grad():
+        expected_final = reference(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    handle.remove()
+    prenorm, aux = runner.forward_hidden(ids, prenorm=True)
+    final, aux_post = runner.forward_hidden(ids)
+    assert prenorm.dtype == DTYPES[dtype] and prenorm.shape == final.shape
+    assert torch.equal(prenorm, seen["h"])
+    assert torch.equal(aux, aux_post)
+    with torch.no_grad():
+        assert torch.equal(reference.model.norm(prenorm), expected_final)
+    # Random norm weights make the two differ; with unit weights a mix-up could go unseen.
+    assert not torch.allclose(prenorm, final, atol=1e-2)
+
+
+def test_forward_hidden_prenorm_with_the_last_layer_among_the_aux_layers(tiny_llama_dir):
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[7, 1, 3])
+    prenorm, aux = runner.forward_hidden(_ids(seed=6), prenorm=True)
+    assert torch.equal(aux[..., :64], prenorm)
+    assert aux.shape == (2, 12, 192)
+
+
 def test_right_padding_leaves_the_real_positions_unchanged(model_dir):
     runner = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu")
     lengths = [12, 7, 3]
@@ -167,6 +196,8 @@ def test_forward_hidden_refuses_a_model_whose_logits_are_scaled_after_the_lm_hea
     logits, _ = runner.forward_eagle3(ids)
     with pytest.raises(ForwardHiddenUnsupported, match="logits_scaling"):
         runner.forward_hidden(ids)
+    prenorm, _ = runner.forward_hidden(ids, prenorm=True)  # claims nothing about the logits: served
+    assert prenorm.shape == (1, 6, 32)
     runner.model.config.logits_scaling = 1.0
     final, _ = runner.forward_hidden(ids)
     torch.testing.assert_close(torch.nn.functional.linear(final, runner.lm_head_weight()), logits * 8.0)

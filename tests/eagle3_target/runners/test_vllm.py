@@ -74,17 +74,22 @@ def test_matches_hf_runner_on_ragged_batch(model_dir, model_impl, request, fake_
 
     logits, aux_states = runner.forward_eagle3(input_ids, mask)
     final, aux_from_hidden = runner.forward_hidden(input_ids, mask)
+    prenorm, aux_with_prenorm = runner.forward_hidden(input_ids, mask, prenorm=True)
     hf_logits, hf_aux = hf.forward_eagle3(input_ids, mask)
     hf_final, _ = hf.forward_hidden(input_ids, mask)
+    hf_prenorm, _ = hf.forward_hidden(input_ids, mask, prenorm=True)
 
     assert logits.shape == hf_logits.shape and aux_states.shape == (3, 11, 3 * HIDDEN)
     valid = mask.bool()
     torch.testing.assert_close(logits[valid], hf_logits[valid], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(aux_states[valid], hf_aux[valid], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(final[valid], hf_final[valid], atol=ATOL, rtol=ATOL)
-    assert torch.equal(aux_from_hidden, aux_states)
+    torch.testing.assert_close(prenorm[valid], hf_prenorm[valid], atol=ATOL, rtol=ATOL)
+    assert not torch.allclose(prenorm[valid], final[valid], atol=1e-2)  # random norm weights tell them apart
+    assert torch.equal(aux_from_hidden, aux_states) and torch.equal(aux_with_prenorm, aux_states)
     # Padding positions come back as zeros, not as whatever the engine would compute there.
     assert not logits[~valid].any() and not aux_states[~valid].any() and not final[~valid].any()
+    assert not prenorm[~valid].any()
     assert list(shm.iterdir()) == [runner.hidden_states_dir]
     assert not any(runner.hidden_states_dir.iterdir()), "capture files must be deleted after reading"
     runner.close()

@@ -6,6 +6,7 @@ import httpx
 import torch
 from eagle3_target import formats
 from eagle3_target.contract import VocabMapping
+from eagle3_target.protocol import FORMATS
 from eagle3_target.runners import TargetRunner
 from eagle3_target.wire import tensors as tensor_wire
 from torch import Tensor
@@ -52,7 +53,7 @@ def reference(
     logits_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     """What the in-process runner gives for the same batch and format."""
-    final_hidden, aux = runner.forward_hidden(ids, mask)
+    final_hidden, aux = runner.forward_hidden(ids, mask, prenorm=FORMATS[fmt].prenorm)
     return formats.supervision(
         fmt, final_hidden, aux, runner.lm_head_weight(), mapping=mapping, logits_dtype=logits_dtype
     )

@@ -217,7 +217,7 @@ class BuggyRunner:
     def __getattr__(self, name: str) -> object:
         return getattr(self._runner, name)
 
-    def forward_hidden(self, *_args: object) -> None:
+    def forward_hidden(self, *_args: object, **_kwargs: object) -> None:
         raise ValueError("internal bug: tensors of mismatched shapes")
 
 

@@ -39,7 +39,7 @@ def test_probes_and_info(server, server_model_dir, reference_runner):
         config.vocab_size,
     )
     assert info["aux_layer_ids"] == reference_runner.aux_layer_ids == [1, 3, 4]
-    assert info["formats"] == ["hidden", "draft", "probs", "logits"]
+    assert info["formats"] == ["hidden", "draft", "probs", "logits", "hidden_prenorm"]
     assert info["max_batch_tokens"] == MAX_BATCH_TOKENS
     assert info["max_model_len"] == MAX_MODEL_LEN
     assert info["fingerprint"] == model_fingerprint(
@@ -74,7 +74,7 @@ def wait_for_log_entry(server, request_id: str) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("fmt", ["hidden", "draft", "probs", "logits"])
+@pytest.mark.parametrize("fmt", ["hidden", "draft", "probs", "logits", "hidden_prenorm"])
 def test_every_format_matches_in_process_runner(server, reference_runner, fmt):
     mapping = draft_mapping(96, seed=11)
     ids, mask = token_batch(2, 24, seed=5, pad_last=7)
