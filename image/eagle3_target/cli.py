@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from eagle3_target.client.cli import resolve_command
+from eagle3_target.integrations.cli import export_app
 from eagle3_target.server.cli import serve
 
 app = typer.Typer(help="Serve frozen target LLMs for EAGLE-3 draft training.", no_args_is_help=True)
@@ -50,6 +51,7 @@ def tiny_model(
 
 app.command("serve")(serve)
 app.command("resolve")(resolve_command)
+app.add_typer(export_app, name="export")
 
 
 def main() -> None:

@@ -1,0 +1,150 @@
+"""`eagle3-target export speculators|specforge`: a served target's supervision as trainer feature files."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from eagle3_target.integrations.layouts import Layout
+
+export_app = typer.Typer(
+    help="Write a trainer's offline feature files from a served target (resumable).", no_args_is_help=True
+)
+
+TargetOption = Annotated[str | None, typer.Option("--target", help="Eagle3Target name (resolved by name).")]
+NamespaceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace", "-n", help="the target's namespace; default: the kubeconfig's (or the pod's)"
+    ),
+]
+UrlOption = Annotated[
+    list[str] | None, typer.Option("--url", help="target server URL instead of a name (repeat for fail-over)")
+]
+DataOption = Annotated[
+    Path,
+    typer.Option(
+        "--data", help="pre-tokenised JSONL (input_ids, loss_mask per line; row i -> file i)", exists=True
+    ),
+]
+OutOption = Annotated[Path, typer.Option("--out", help="output directory (rerun to resume)")]
+TokenFileOption = Annotated[Path | None, typer.Option("--token-file", help="bearer token for the target")]
+BatchTokensOption = Annotated[
+    int | None,
+    typer.Option(min=1, help="tokens per request; default (and cap): the server's max_batch_tokens"),
+]
+DepthOption = Annotated[int, typer.Option(min=1, help="requests in flight while files are written")]
+WaitOption = Annotated[float, typer.Option(min=0, help="seconds to wait for the target to be Ready")]
+KubeconfigOption = Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
+
+
+def _run(
+    make_layout: Callable[[], Layout],
+    data: Path,
+    out: Path,
+    connection: dict[str, Any],
+    batch_tokens: int | None,
+    depth: int,
+    quiet: bool,
+) -> None:
+    """Build the layout, connect, export; every expected failure is one `error:` line and exit code 1."""
+    from eagle3_target.client.errors import ClientError
+    from eagle3_target.integrations.connect import connect
+    from eagle3_target.integrations.exporter import ExportError, export
+    from eagle3_target.integrations.layouts import LayoutMismatch
+    from eagle3_target.integrations.rows import RowError, open_rows
+
+    try:
+        layout = make_layout()
+        source = open_rows(data)
+        with connect(**connection) as client:
+            summary = export(
+                client, source, layout, out, batch_tokens=batch_tokens, depth=depth, progress=not quiet
+            )
+    except (ExportError, RowError, LayoutMismatch, ClientError, ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(summary.describe(), err=True)
+
+
+@export_app.command("speculators")
+def speculators(
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data",
+            help="pre-tokenised JSONL (input_ids, loss_mask per line) or a speculators prepare-data "
+            "directory; row i -> hidden_states/hs_{i}.safetensors",
+            exists=True,
+        ),
+    ],
+    out: OutOption,
+    target: TargetOption = None,
+    namespace: NamespaceOption = None,
+    url: UrlOption = None,
+    token_file: TokenFileOption = None,
+    batch_tokens: BatchTokensOption = None,
+    depth: DepthOption = 2,
+    wait: WaitOption = 300.0,
+    kubeconfig: KubeconfigOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """speculators' offline hidden states (what `speculators generate-offline-data` writes from vLLM):
+    OUT/hidden_states/hs_{i}.safetensors. Train with --data-path on the prepare-data directory and
+    --hidden-states-path OUT/hidden_states."""
+    from eagle3_target.integrations.layouts import SpeculatorsLayout
+
+    connection = {"target": target, "urls": url or [], "namespace": namespace, "token_file": token_file}
+    _run(
+        SpeculatorsLayout,
+        data,
+        out,
+        {**connection, "wait": wait, "kubeconfig": kubeconfig},
+        batch_tokens,
+        depth,
+        quiet,
+    )
+
+
+@export_app.command("specforge")
+def specforge(
+    data: DataOption,
+    out: OutOption,
+    target: TargetOption = None,
+    namespace: NamespaceOption = None,
+    url: UrlOption = None,
+    token_file: TokenFileOption = None,
+    aux_layer_ids: Annotated[
+        tuple[int, int, int] | None,
+        typer.Option(help="the aux layers SpecForge's run sets (model.aux_hidden_state_layer_ids)"),
+    ] = None,
+    draft_config: Annotated[
+        Path | None,
+        typer.Option(help="SpecForge's draft config JSON, for its eagle_config aux layer ids", exists=True),
+    ] = None,
+    batch_tokens: BatchTokensOption = None,
+    depth: DepthOption = 2,
+    wait: WaitOption = 300.0,
+    kubeconfig: KubeconfigOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """SpecForge's offline features (specforge_hidden_states_v1, what its prepare_hidden_states.py writes):
+    OUT/rows_{g}-{g+2000}/data_{i}.ckpt. Train with data.hidden_states_path: OUT. Needs a bf16 target
+    whose aux layers are the ones SpecForge assumes (checked)."""
+    from eagle3_target.integrations.layouts import SpecForgeLayout
+
+    connection = {"target": target, "urls": url or [], "namespace": namespace, "token_file": token_file}
+    _run(
+        lambda: SpecForgeLayout(aux_layer_ids, draft_config),
+        data,
+        out,
+        {**connection, "wait": wait, "kubeconfig": kubeconfig},
+        batch_tokens,
+        depth,
+        quiet,
+    )

@@ -1,0 +1,156 @@
+"""speculators online: a served target as speculators' `HiddenStatesBackend` "eagle3-target".
+
+    python -m eagle3_target.integrations.speculators --hidden-states-backend eagle3-target \\
+        --eagle3-target llama31-8b [--eagle3-target-namespace NS] [--eagle3-target-token-file F] \\
+        --on-missing raise <speculators train flags...>
+
+speculators' dataset asks the backend for row i's hidden states (`get_cached(i)`); this one computes them
+on the served target instead of reading vLLM's file: the same `hidden_states` [S, 4, H] (aux layers, then
+h_L before the final norm) and `token_ids`. Importing this package registers the backend; `main` (this
+package's `__main__`) then runs speculators' own training CLI, which reads its backend choices when it is
+first imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
+
+from eagle3_target.client.target_client import TargetClient
+from eagle3_target.integrations.connect import connect
+from eagle3_target.integrations.layouts import speculators_layer_ids, speculators_sample
+
+BACKEND = "eagle3-target"
+
+
+def draft_layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
+    """The vLLM capture ids the draft will be trained (and deployed) with, as speculators resolves them:
+    `--from-pretrained`'s config, else `--target-layer-ids`, else `[2, L//2, L-3]`."""
+    pretrained = getattr(args, "from_pretrained", None)
+    if pretrained:
+        config_file = Path(pretrained) / "config.json"
+        if config_file.is_file():
+            ids = json.loads(config_file.read_text()).get("eagle_aux_hidden_state_layer_ids")
+            if ids is not None:
+                return list(ids)
+    ids = getattr(args, "target_layer_ids", None)
+    if ids:
+        return list(ids)
+    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
+
+
+def check_layer_ids(draft_ids: list[int], info: dict[str, Any]) -> None:
+    """The draft's layer ids must be the target's aux ids + 1 (vLLM capture ids), or it trains on one set of
+    layers and is deployed reading another."""
+    expected = speculators_layer_ids(info["aux_layer_ids"])
+    if draft_ids != expected:
+        raise ValueError(
+            f"the draft's target layer ids {draft_ids} are not the served target's: it captures aux layers "
+            f"{info['aux_layer_ids']}, which are vLLM capture ids {expected}; pass --target-layer-ids "
+            f"{' '.join(map(str, expected))} (or serve the target with auxLayerIds "
+            f"{[i - 1 for i in draft_ids]})"
+        )
+
+
+class Eagle3TargetTransfer(HiddenStatesTransfer):
+    """Row i's hidden states from the served target. Picklable: each DataLoader worker process opens its own
+    client and dataset on first use, and checks it reaches the same model (fingerprint) as the trainer."""
+
+    def __init__(self, connection: dict[str, Any], data_path: str, info: dict[str, Any]) -> None:
+        self.connection = connection
+        self.data_path = data_path
+        self.aux_layer_ids = list(info["aux_layer_ids"])
+        self.fingerprint = info["fingerprint"]
+        self._pid: int | None = None
+        self._client: TargetClient | None = None
+        self._data: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pid": None, "_client": None, "_data": None}
+
+    def setup(self) -> None:
+        if self._pid == os.getpid():
+            return
+        from datasets import load_from_disk
+
+        client = connect(**self.connection)
+        fingerprint = client.info()["fingerprint"]
+        if fingerprint != self.fingerprint:
+            client.close()
+            raise RuntimeError(
+                f"the target now serves another model (fingerprint {fingerprint}, the run started with "
+                f"{self.fingerprint}); its hidden states would not match the ones trained on so far"
+            )
+        self._data = load_from_disk(self.data_path).with_format("torch")
+        self._client, self._pid = client, os.getpid()
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        """`file_idx` is the row of the whole prepare-data dataset (speculators maps split rows to it)."""
+        self.setup()
+        assert self._client is not None  # setup() opened it
+        input_ids = self._data[file_idx]["input_ids"].to(torch.int64)
+        out = self._client.supervise(input_ids.unsqueeze(0), format="hidden_prenorm")
+        return speculators_sample(
+            out["aux_hidden_states"][0], out["final_hidden_prenorm"][0], input_ids, self.aux_layer_ids
+        )
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        raise RuntimeError(f"the {BACKEND} backend computes every row on the target; it never asks vLLM")
+
+
+@HiddenStatesBackend.register(BACKEND)
+class Eagle3TargetBackend(HiddenStatesBackend):
+    """`--hidden-states-backend eagle3-target`: hidden states from a served Eagle3Target."""
+
+    @staticmethod
+    def add_train_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--eagle3-target", default=None, help="Eagle3Target name, or its server URL (http://...)"
+        )
+        parser.add_argument(
+            "--eagle3-target-namespace", default=None, help="the target's namespace (default: kubeconfig's)"
+        )
+        parser.add_argument(
+            "--eagle3-target-token-file", default=None, help="file holding the target's bearer token"
+        )
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        """No vLLM to launch: the target is served by eagle3-target."""
+
+    @staticmethod
+    def from_train_args(args: argparse.Namespace, data_path: str) -> Eagle3TargetTransfer:
+        target = getattr(args, "eagle3_target", None)
+        if not target:
+            raise ValueError(f"--hidden-states-backend {BACKEND} needs --eagle3-target NAME (or URL)")
+        token_file = getattr(args, "eagle3_target_token_file", None)
+        by_url = "://" in target
+        connection: dict[str, Any] = {
+            "target": None if by_url else target,
+            "urls": [target] if by_url else [],
+            "namespace": getattr(args, "eagle3_target_namespace", None),
+            "token_file": Path(token_file) if token_file else None,
+        }
+        with connect(**connection) as client:
+            info = client.info()
+        check_layer_ids(draft_layer_ids(args, int(info["num_hidden_layers"])), info)
+        return Eagle3TargetTransfer(connection, data_path, info)
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        raise RuntimeError(f"the {BACKEND} backend needs no vLLM kv connector")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """speculators' `train` with this backend registered (speculators reads its backends at import)."""
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    train(TrainConfig.resolve(sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,54 @@
+"""A bf16 tiny Llama (random norm weights, sharded like a real checkpoint) served over loopback, and the
+pre-tokenised rows every exporter and trainer test uses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from eagle3_target.tiny import write_tiny_model
+
+from tests.eagle3_target.integrations.reference import make_rows
+from tests.eagle3_target.server.server_process import ServerProcess, start_server
+
+MAX_MODEL_LEN = 64
+MAX_BATCH_TOKENS = 256
+
+
+@pytest.fixture(scope="session")
+def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama (untied lm_head, which SpecForge's TargetHead reads from the shard index), bf16, 8 layers."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-bf16"), arch="llama", dtype="bfloat16", max_shard_size="50KB"
+    )
+
+
+@pytest.fixture(scope="session")
+def bf16_server(bf16_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(
+        tmp_path_factory.mktemp("bf16-server"),
+        [
+            "--model", str(bf16_model_dir),
+            "--engine", "hf",
+            "--dtype", "bfloat16",
+            "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-batch-tokens", str(MAX_BATCH_TOKENS),
+            "--model-name", "tiny-llama-bf16",
+        ],
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def rows() -> list[dict[str, list[int]]]:
+    return make_rows()
+
+
+@pytest.fixture(scope="session")
+def rows_jsonl(rows: list[dict[str, list[int]]], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
