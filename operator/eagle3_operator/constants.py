@@ -1,4 +1,5 @@
-"""Names the operator's modules share: the labels on its children and the child kinds it owns.
+"""Names the operator's modules share: the labels on its children, the child kinds it owns and the server
+pod's layout (which the spec's own pod settings must stay clear of).
 
 The Eagle3Target resource's own names (group, version, plural, field manager) are shared with the server
 and the client, so they live in `eagle3_target.protocol`.
@@ -19,6 +20,43 @@ SERVER_CONTAINER = "server"
 DOWNLOAD_CONTAINER = "download-model"
 # The label every child carries; the watches select on it, so memory does not grow with the cluster.
 MANAGED_LABELS = {LABEL_MANAGED_BY: FIELD_MANAGER}
+
+# The server pod's layout: what the operator itself puts there, so the spec's own pod settings cannot
+# collide with it (the CRD refuses the same names; tests keep the two lists in step).
+MODEL_MOUNT = "/models"
+SHM_MOUNT = "/dev/shm"
+AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
+OPERATOR_VOLUMES = frozenset({"model", "dshm", "auth"})
+OPERATOR_MOUNT_PATHS = (MODEL_MOUNT, SHM_MOUNT, AUTH_MOUNT)
+# Environment the server container gets from the operator: the Hub switch and every EAGLE3_TARGET_* setting
+# the command line already sets from a typed field (flags win over env, so such an entry would be ignored).
+OPERATOR_ENV = frozenset(
+    {
+        "HF_HUB_OFFLINE",
+        *(
+            f"EAGLE3_TARGET_{name}"
+            for name in (
+                "MODEL",
+                "ENGINE",
+                "HOST",
+                "PORT",
+                "MODEL_NAME",
+                "REVISION",
+                "DTYPE",
+                "AUX_LAYER_IDS",
+                "TENSOR_PARALLEL_SIZE",
+                "MAX_MODEL_LEN",
+                "ENGINE_ARGS",
+                "AUTH_TOKEN_FILE",
+                "TRUST_REMOTE_CODE",
+            )
+        ),
+    }
+)
+# Pod label keys the operator sets: two select the pods (a Deployment's selector is immutable), the managed-by
+# label is what the operator's pod watch selects on.
+OPERATOR_LABEL_KEYS = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL_MANAGED_BY)
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,24 @@ from eagle3_target.protocol import API_VERSION, KIND
 
 from eagle3_operator.constants import (
     APP_NAME,
+    AUTH_MOUNT,
     COMPONENT,
+    DEFAULT_CONTAINER_ANNOTATION,
     DOWNLOAD_CONTAINER,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_NAME,
     MANAGED_LABELS,
+    MODEL_MOUNT,
     POD_MONITOR_API_VERSION,
     SERVER_CONTAINER,
+    SHM_MOUNT,
 )
 from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
 # Targets that name no image run the server release matching this operator.
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
 PORT_NAME = "http"
-MODEL_MOUNT = "/models"
-AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
 # The target image's non-root user and group (image/Dockerfile), set explicitly so that runAsNonRoot also
 # holds for custom images; fsGroup makes a download cache PVC writable for that user.
 RUN_AS_USER = 10001
@@ -237,21 +239,53 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     }
 
 
-def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
+def _pod_security(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    """Non-root with the runtime's seccomp profile always; the ids are the image's unless the spec says
+    otherwise, and none at all when the platform assigns them (OpenShift's restricted SCC)."""
+    ids = spec.security_context
+    security: dict[str, Any] = {"runAsNonRoot": True}
+    if not ids.platform_assigned_ids:
+        security |= {
+            "runAsUser": ids.run_as_user if ids.run_as_user is not None else RUN_AS_USER,
+            "runAsGroup": ids.run_as_group if ids.run_as_group is not None else RUN_AS_GROUP,
+            "fsGroup": ids.fs_group if ids.fs_group is not None else RUN_AS_USER,
+        }
+    # Model volumes hold hundreds of GB; never chown them recursively on every start.
+    security["fsGroupChangePolicy"] = "OnRootMismatch"
+    security["seccompProfile"] = {"type": "RuntimeDefault"}
+    return security
+
+
+def _topology_spread(name: str, spec: Eagle3TargetSpec) -> list[dict[str, Any]]:
+    """The spec's constraints; one without a labelSelector spreads this target's own pods."""
+    constraints = []
+    for constraint in spec.topology_spread_constraints:
+        rendered = constraint.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+        rendered.setdefault("labelSelector", {"matchLabels": selector_labels(name)})
+        constraints.append(rendered)
+    return constraints
+
+
+def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
     image = spec.image or DEFAULT_IMAGE
     model_volume, model_mount = _model_volume(spec)
-    volumes = [model_volume, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    mounts = [model_mount, {"name": "dshm", "mountPath": "/dev/shm"}]
+    shm = {"medium": "Memory", "sizeLimit": spec.shm_size}
+    volumes = [model_volume, {"name": "dshm", "emptyDir": shm}]
+    mounts = [model_mount, {"name": "dshm", "mountPath": SHM_MOUNT}]
     if spec.auth is not None:
         volumes.append({"name": "auth", "secret": {"secretName": spec.auth.token_secret_ref.name}})
         mounts.append({"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+    volumes += [volume.model_dump(by_alias=True, exclude_none=True) for volume in spec.volumes]
+    mounts += [mount.model_dump(by_alias=True, exclude_none=True) for mount in spec.volume_mounts]
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
     container = {
         "name": SERVER_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": server_args(spec),
         # The model is already local; this keeps transformers from reaching for the Hub at load time.
-        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "env": env,
         "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
         "resources": _resources(spec),
         "volumeMounts": mounts,
@@ -274,15 +308,7 @@ def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
         # EAGLE3_TARGET_* settings (a Service named eagle3-target yields EAGLE3_TARGET_PORT).
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_GROUP,
-            "fsGroup": RUN_AS_USER,
-            # Model volumes hold hundreds of GB; never chown them recursively on every start.
-            "fsGroupChangePolicy": "OnRootMismatch",
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(spec),
     }
     if spec.model.source.hugging_face is not None:
         pod["initContainers"] = [_download_container(spec, image)]
@@ -296,13 +322,25 @@ def _pod_spec(spec: Eagle3TargetSpec) -> dict[str, Any]:
         pod["priorityClassName"] = spec.priority_class_name
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    if spec.runtime_class_name:
+        pod["runtimeClassName"] = spec.runtime_class_name
+    if spec.service_account_name:
+        # The API server copies serviceAccountName into the deprecated serviceAccount and back; applying both
+        # is what lets a later apply without them remove the account again.
+        pod["serviceAccountName"] = pod["serviceAccount"] = spec.service_account_name
+    if spec.scheduler_name:
+        pod["schedulerName"] = spec.scheduler_name
+    if spec.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = _topology_spread(name, spec)
     return pod
 
 
 def build_deployment(
     name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
 ) -> dict[str, Any]:
-    """One pod per replica. Updates replace pods one at a time without surging: GPUs are the constraint."""
+    """One pod per replica. By default updates replace pods one at a time without surging: GPUs are the
+    constraint (spec.rollout changes that where spare GPUs are certain)."""
+    rollout = {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -310,16 +348,20 @@ def build_deployment(
         "spec": {
             "replicas": spec.effective_replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rollout},
             "revisionHistoryLimit": 3,
             # Past the startup budget plus scheduling slack the Deployment reports ProgressDeadlineExceeded.
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 300,
             "template": {
                 "metadata": {
-                    "labels": _labels(name),
-                    "annotations": {"kubectl.kubernetes.io/default-container": SERVER_CONTAINER},
+                    # The spec's own labels first: the operator's (which its selectors rely on) win.
+                    "labels": {**spec.pod_metadata.labels, **_labels(name)},
+                    "annotations": {
+                        **spec.pod_metadata.annotations,
+                        DEFAULT_CONTAINER_ANNOTATION: SERVER_CONTAINER,
+                    },
                 },
-                "spec": _pod_spec(spec),
+                "spec": _pod_spec(name, spec),
             },
         },
     }

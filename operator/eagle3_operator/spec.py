@@ -9,8 +9,25 @@ Field names and defaults match the CRD exactly; tests/eagle3_operator/test_spec.
 import re
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from kubernetes.utils import parse_quantity
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from eagle3_operator.constants import (
+    DEFAULT_CONTAINER_ANNOTATION,
+    OPERATOR_ENV,
+    OPERATOR_LABEL_KEYS,
+    OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUMES,
+)
 
 # Kubernetes' resource.Quantity grammar (the pattern generated CRDs use for quantities).
 QUANTITY_PATTERN = (
@@ -27,7 +44,23 @@ RESERVED_ENGINE_ARGS = frozenset(
 )
 
 DNSName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+# A volume's name: a DNS-1123 label, as core/v1 requires.
+VolumeName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
 Quantity = Annotated[str | int, Field(union_mode="left_to_right")]
+# maxSurge / maxUnavailable: a pod count or a percentage of replicas.
+IntOrPercent = Annotated[int | str, Field(union_mode="left_to_right")]
+PERCENT_PATTERN = r"^[0-9]+%$"
+# A label or annotation key: an optional DNS-subdomain prefix and a name (core/v1's qualified name).
+QUALIFIED_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+# /dev/shm for NCCL's shared-memory transport between the GPUs of one pod and vLLM's inter-process queues:
+# 16Gi covers tensor parallelism across 8 GPUs with room to spare. It is a ceiling, not a reservation, but
+# what is written there counts against the pod's memory.
+DEFAULT_SHM_SIZE = "16Gi"
 
 
 class InvalidSpec(ValueError):
@@ -113,8 +146,159 @@ class LocalObjectReference(_Model):
     name: DNSName
 
 
+class EnvVar(_Model):
+    """A core/v1 EnvVar for the server container; `valueFrom` is checked by the API server on the pod."""
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_value(self) -> Self:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError("set value or valueFrom, not both")
+        return self
+
+
+class Volume(_Model):
+    """A core/v1 Volume: the name is checked here, the source (emptyDir, a claim, ...) by the API."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: VolumeName
+
+
+class VolumeMount(_Model):
+    name: VolumeName
+    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/")
+    read_only: bool | None = None
+    sub_path: str | None = Field(None, max_length=1024)
+    sub_path_expr: str | None = Field(None, max_length=1024)
+    mount_propagation: Literal["None", "HostToContainer", "Bidirectional"] | None = None
+    recursive_read_only: Literal["Disabled", "IfPossible", "Enabled"] | None = None
+
+    @field_validator("mount_path")
+    @classmethod
+    def _clear_of_operator_mounts(cls, value: str) -> str:
+        if any(_overlaps(value, path) for path in OPERATOR_MOUNT_PATHS):
+            raise ValueError(
+                f"{value} overlaps a path the operator mounts ({', '.join(OPERATOR_MOUNT_PATHS)})"
+            )
+        return value
+
+
+def _overlaps(path: str, other: str) -> bool:
+    """Whether mounting at `path` would hide or land inside `other` (or is it)."""
+    path, other = path.rstrip("/") or "/", other.rstrip("/")
+    return path == other or other.startswith(f"{path.rstrip('/')}/") or path.startswith(f"{other}/")
+
+
+class PodMetadata(_Model):
+    """Extra labels and annotations for the server pods (e.g. Kueue's queue name, a mesh opt-out)."""
+
+    labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
+        default_factory=dict
+    )
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _keys(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        reserved = OPERATOR_LABEL_KEYS if info.field_name == "labels" else (DEFAULT_CONTAINER_ANNOTATION,)
+        for key in value:
+            if not re.match(QUALIFIED_NAME_PATTERN, key) or len(key) > 316:
+                raise ValueError(f"key {key!r} is not a qualified name such as example.com/team")
+            if key in reserved:
+                raise ValueError(f"key {key!r} is set by the operator")
+        return value
+
+
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1, max_length=316)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> Self:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError("In and NotIn need values; Exists and DoesNotExist take none")
+        return self
+
+
+class LabelSelector(_Model):
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+
+class TopologySpreadConstraint(_Model):
+    """A core/v1 TopologySpreadConstraint; without a labelSelector it spreads this target's pods."""
+
+    max_skew: int = Field(ge=1)
+    topology_key: str = Field(min_length=1, max_length=316)
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
+    label_selector: LabelSelector | None = None
+    min_domains: int | None = Field(None, ge=1)
+    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
+    node_taints_policy: Literal["Honor", "Ignore"] | None = None
+    match_label_keys: list[str] = Field(default_factory=list)
+
+
+class PodSecurity(_Model):
+    """Which user and groups the server runs as: the image's own (10001, group 0) unless set here, or none
+    at all with `platformAssignedIds`, so OpenShift's restricted SCC assigns them from the namespace."""
+
+    run_as_user: int | None = Field(None, ge=1, le=2147483647)
+    run_as_group: int | None = Field(None, ge=0, le=2147483647)
+    fs_group: int | None = Field(None, ge=0, le=2147483647)
+    platform_assigned_ids: bool = False
+
+    @model_validator(mode="after")
+    def _ids_or_platform(self) -> Self:
+        if self.platform_assigned_ids and (
+            self.run_as_user is not None or self.run_as_group is not None or self.fs_group is not None
+        ):
+            raise ValueError("platformAssignedIds leaves the ids to the platform; do not set them too")
+        return self
+
+
+class RolloutSpec(_Model):
+    """The Deployment's rolling update; the defaults never ask for a GPU beyond the replicas' own."""
+
+    max_surge: IntOrPercent = 0
+    max_unavailable: IntOrPercent = 1
+
+    @field_validator("max_surge", "max_unavailable")
+    @classmethod
+    def _count_or_percent(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must not be negative")
+        if isinstance(value, str) and not re.match(PERCENT_PATTERN, value):
+            raise ValueError(f"{value!r} must be a pod count or a percentage such as 25%")
+        return value
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> Self:
+        if _zero(self.max_surge) and _zero(self.max_unavailable):
+            raise ValueError("maxSurge and maxUnavailable must not both be 0: the rollout could never start")
+        return self
+
+
+def _zero(value: int | str) -> bool:
+    return value in (0, "0%")
+
+
 class AuthSpec(_Model):
     token_secret_ref: SecretKeyRef
+
+
+class NetworkPolicySpec(_Model):
+    """Who may reach the server: its data routes return a frontier model's internals."""
+
+    enabled: bool = False
+    allowed_namespaces: list[
+        Annotated[str, Field(max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+    ] = Field(default_factory=list)
+    namespace_selector: LabelSelector | None = None
 
 
 class PodMonitorSpec(_Model):
@@ -152,6 +336,53 @@ class Eagle3TargetSpec(_Model):
     auth: AuthSpec | None = None
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     endpoint: EndpointSpec | None = None
+    env: list[EnvVar] = Field(default_factory=list)
+    volumes: list[Volume] = Field(default_factory=list)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    pod_metadata: PodMetadata = Field(default_factory=PodMetadata)
+    runtime_class_name: DNSName | None = None
+    service_account_name: DNSName | None = None
+    scheduler_name: str | None = Field(None, min_length=1, max_length=253)
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(default_factory=list)
+    shm_size: Quantity = DEFAULT_SHM_SIZE
+    security_context: PodSecurity = Field(default_factory=PodSecurity)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: list[EnvVar]) -> list[EnvVar]:
+        _unique("name", [var.name for var in value])
+        taken = sorted({var.name for var in value} & OPERATOR_ENV)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the operator from the spec's own fields")
+        return value
+
+    @field_validator("volumes")
+    @classmethod
+    def _volume_names(cls, value: list[Volume]) -> list[Volume]:
+        _unique("name", [volume.name for volume in value])
+        taken = sorted({volume.name for volume in value} & OPERATOR_VOLUMES)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: the operator's own volume names")
+        return value
+
+    @field_validator("volume_mounts")
+    @classmethod
+    def _mount_paths(cls, value: list[VolumeMount]) -> list[VolumeMount]:
+        _unique("mountPath", [mount.mount_path for mount in value])
+        return value
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_quantity(cls, value: str | int) -> str | int:
+        try:
+            positive = parse_quantity(value) > 0
+        except ValueError:
+            positive = False
+        if not positive:
+            raise ValueError(f"{value!r} is not a positive Kubernetes quantity (e.g. 16Gi)")
+        return value
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -181,6 +412,10 @@ class Eagle3TargetSpec(_Model):
             )
         if self.engine == "vllm" and self.tensor_parallel_size < 1:
             raise ValueError("engine vllm needs GPUs: tensorParallelSize must be >= 1 (0 is for engine hf)")
+        volumes = {volume.name for volume in self.volumes}
+        unknown = sorted({mount.name for mount in self.volume_mounts} - volumes)
+        if unknown:
+            raise ValueError(f"volumeMounts name volumes that spec.volumes lacks: {', '.join(unknown)}")
         return self
 
     @property
@@ -200,6 +435,12 @@ class Eagle3TargetSpec(_Model):
             return cls.model_validate(spec)
         except ValidationError as error:
             raise InvalidSpec(_describe(error)) from None
+
+
+def _unique(key: str, values: list[str]) -> None:
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise ValueError(f"{key} must be unique; repeated: {', '.join(repeated)}")
 
 
 def _describe(error: ValidationError) -> str:

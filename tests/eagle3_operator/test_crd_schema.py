@@ -77,6 +77,30 @@ GOOD_SPECS = {
         port=9000,
         auth={"tokenSecretRef": {"name": "token", "key": "bearer"}},
         monitoring={"podMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
+        env=[
+            {"name": "NCCL_DEBUG", "value": "INFO"},
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
+        ],
+        volumes=[{"name": "nvme", "hostPath": {"path": "/mnt/nvme"}}],
+        volumeMounts=[{"name": "nvme", "mountPath": "/cache", "subPath": "vllm"}],
+        podMetadata={"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"a.example/b": "c"}},
+        runtimeClassName="nvidia",
+        serviceAccountName="bucket-reader",
+        schedulerName="volcano",
+        topologySpreadConstraints=[
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchExpressions": [{"key": "a", "operator": "In", "values": ["b"]}]},
+            }
+        ],
+        shmSize="64Gi",
+        securityContext={"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        rollout={"maxSurge": "25%", "maxUnavailable": 0},
+    ),
+    "platform ids and integer shm": with_model(
+        PVC, securityContext={"platformAssignedIds": True}, shmSize=2**34
     ),
 }
 
@@ -142,6 +166,92 @@ BAD_SPECS = {
         with_model(PVC, tolerations=[{"key": "k", "operator": "Maybe"}]),
         "spec.tolerations[0].operator: Unsupported value",
     ),
+    "operator env": (
+        with_model(PVC, env=[{"name": "EAGLE3_TARGET_PORT", "value": "1"}]),
+        "env must not set HF_HUB_OFFLINE or the EAGLE3_TARGET_* settings",
+    ),
+    "hub switch env": (
+        with_model(PVC, env=[{"name": "HF_HUB_OFFLINE", "value": "0"}]),
+        "env must not set HF_HUB_OFFLINE",
+    ),
+    "env value and value from": (
+        with_model(PVC, env=[{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]),
+        "sets value or valueFrom, not both",
+    ),
+    "bad env name": (with_model(PVC, env=[{"name": "1 A", "value": "1"}]), "env names are letters"),
+    "repeated env name": (
+        with_model(PVC, env=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+        'spec.env[1]: Duplicate value: {"name":"A"}',
+    ),
+    "operator volume": (
+        with_model(PVC, volumes=[{"name": "dshm", "emptyDir": {}}]),
+        "volumes must not be named model, dshm or auth",
+    ),
+    "repeated volume": (
+        with_model(PVC, volumes=[{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]),
+        "spec.volumes[1]: Duplicate value",
+    ),
+    "mount over the model": (
+        with_model(
+            PVC, volumes=[{"name": "a", "emptyDir": {}}], volumeMounts=[{"name": "a", "mountPath": "/models"}]
+        ),
+        "volumeMounts must not be at, under or above /models",
+    ),
+    "mount above the auth token": (
+        with_model(
+            PVC,
+            volumes=[{"name": "a", "emptyDir": {}}],
+            volumeMounts=[{"name": "a", "mountPath": "/var/run"}],
+        ),
+        "volumeMounts must not be at, under or above",
+    ),
+    "mount of a missing volume": (
+        with_model(PVC, volumeMounts=[{"name": "nowhere", "mountPath": "/cache"}]),
+        "volumeMounts must name a volume of spec.volumes",
+    ),
+    "selector label": (
+        with_model(PVC, podMetadata={"labels": {"app.kubernetes.io/instance": "other"}}),
+        "podMetadata.labels must not set app.kubernetes.io/name, instance",
+    ),
+    "bad label value": (
+        with_model(PVC, podMetadata={"labels": {"team": "a b"}}),
+        "spec.podMetadata.labels.team: Invalid value",
+    ),
+    "bad label key": (
+        with_model(PVC, podMetadata={"labels": {"a b": "c"}}),
+        "podMetadata keys must be qualified names",
+    ),
+    "default container annotation": (
+        with_model(PVC, podMetadata={"annotations": {"kubectl.kubernetes.io/default-container": "x"}}),
+        "must not set kubectl.kubernetes.io/default-container",
+    ),
+    "bad runtime class": (with_model(PVC, runtimeClassName="Nvidia_GPU"), "runtimeClassName must be a DNS"),
+    "bad service account": (with_model(PVC, serviceAccountName="a/b"), "serviceAccountName must be a DNS"),
+    "spread without key": (
+        with_model(PVC, topologySpreadConstraints=[{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]),
+        "spec.topologySpreadConstraints[0].topologyKey: Required value",
+    ),
+    "spread with zero skew": (
+        with_model(
+            PVC,
+            topologySpreadConstraints=[
+                {"maxSkew": 0, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}
+            ],
+        ),
+        "spec.topologySpreadConstraints[0].maxSkew: Invalid value: 0",
+    ),
+    "bad shm size": (with_model(PVC, shmSize="lots"), "shmSize must be a positive quantity"),
+    "zero shm size": (with_model(PVC, shmSize="0"), "shmSize must be a positive quantity"),
+    "fixed ids and platform ids": (
+        with_model(PVC, securityContext={"platformAssignedIds": True, "runAsUser": 1000}),
+        "platformAssignedIds leaves the ids to the platform",
+    ),
+    "root user": (with_model(PVC, securityContext={"runAsUser": 0}), "spec.securityContext.runAsUser"),
+    "rollout that cannot start": (
+        with_model(PVC, rollout={"maxSurge": "0%", "maxUnavailable": 0}),
+        "rollout.maxSurge and rollout.maxUnavailable must not both be 0",
+    ),
+    "rollout with a fraction": (with_model(PVC, rollout={"maxSurge": "half"}), "spec.rollout.maxSurge"),
 }
 
 

@@ -505,3 +505,89 @@ def test_token_protected_target_is_probed_with_its_secret(targets: Targets, auth
         lambda: targets.ready_status("guarded"), "Ready once the token is readable", timeout=120
     )
     assert status["model"]["name"] == "tiny-llama"
+
+
+POD_SETTINGS: dict[str, Any] = {
+    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+    "volumes": [{"name": "compile-cache", "emptyDir": {}}],
+    "volumeMounts": [{"name": "compile-cache", "mountPath": "/cache"}],
+    "podMetadata": {"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"team": "ml"}},
+    "runtimeClassName": "e3t-test-runtime",
+    "serviceAccountName": "bucket-reader",
+    "schedulerName": "gang-scheduler",
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "shmSize": "32Gi",
+    "securityContext": {"platformAssignedIds": True},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+}
+
+
+def _shaped(template: kubernetes.client.V1PodTemplateSpec) -> dict[str, Any]:
+    """The parts of a pod template the pod settings reach."""
+    pod, server = template.spec, template.spec.containers[0]
+    shm = next(v for v in pod.volumes if v.name == "dshm")
+    return {
+        "env": [e.name for e in server.env or []],
+        "volumes": [v.name for v in pod.volumes],
+        "mounts": [m.mount_path for m in server.volume_mounts],
+        "labels": template.metadata.labels,
+        "annotations": template.metadata.annotations,
+        "runtimeClassName": pod.runtime_class_name,
+        "serviceAccountName": pod.service_account_name,
+        "schedulerName": pod.scheduler_name,
+        "spread": [c.topology_key for c in pod.topology_spread_constraints or []],
+        "shm": shm.empty_dir.size_limit,
+        "runAsUser": pod.security_context.run_as_user,
+    }
+
+
+def test_pod_settings_reach_the_pod_template_and_leave_with_the_spec(targets: Targets):
+    """The RuntimeClass and ServiceAccount exist, so the pods could be admitted as rendered."""
+    node = kubernetes.client.NodeV1Api(targets.cluster.api_client)
+    node.create_runtime_class({"metadata": {"name": "e3t-test-runtime"}, "handler": "nvidia"})
+    try:
+        _shape_and_unshape(targets)
+    finally:
+        node.delete_runtime_class("e3t-test-runtime")
+
+
+def _shape_and_unshape(targets: Targets) -> None:
+    targets.core.create_namespaced_service_account(targets.namespace, {"metadata": {"name": "bucket-reader"}})
+    targets.create(target_manifest("shaped", free_port(), **POD_SETTINGS))
+
+    deployment = wait_for(lambda: targets.deployment("shaped"), "the Deployment")
+    shaped = _shaped(deployment.spec.template)
+    assert shaped["env"] == ["HF_HUB_OFFLINE", "NCCL_DEBUG"]
+    assert shaped["volumes"] == ["model", "dshm", "compile-cache"]
+    assert "/cache" in shaped["mounts"]
+    assert shaped["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"
+    assert shaped["labels"]["app.kubernetes.io/instance"] == "shaped"
+    assert shaped["annotations"]["team"] == "ml"
+    assert (shaped["runtimeClassName"], shaped["serviceAccountName"]) == ("e3t-test-runtime", "bucket-reader")
+    assert shaped["schedulerName"] == "gang-scheduler"
+    assert shaped["spread"] == ["kubernetes.io/hostname"]
+    assert shaped["shm"] == "32Gi"
+    assert shaped["runAsUser"] is None
+    rolling = deployment.spec.strategy.rolling_update
+    assert (rolling.max_surge, rolling.max_unavailable) == (1, 0)
+
+    targets.patch_spec("shaped", dict.fromkeys(POD_SETTINGS))  # a merge patch of nulls deletes the fields
+
+    def plain() -> dict[str, Any] | None:
+        template = targets.deployment("shaped").spec.template
+        return _shaped(template) if "kueue.x-k8s.io/queue-name" not in template.metadata.labels else None
+
+    shaped = wait_for(plain, "the pod settings gone from the template")
+    assert shaped["env"] == ["HF_HUB_OFFLINE"]
+    assert shaped["volumes"] == ["model", "dshm"]
+    assert "/cache" not in shaped["mounts"]
+    assert "team" not in shaped["annotations"]
+    assert (shaped["runtimeClassName"], shaped["serviceAccountName"]) == (None, None)
+    assert shaped["schedulerName"] == "default-scheduler"
+    assert shaped["spread"] == []
+    assert shaped["shm"] == "16Gi"
+    assert shaped["runAsUser"] == 10001
+    rolling = targets.deployment("shaped").spec.strategy.rolling_update
+    assert (rolling.max_surge, rolling.max_unavailable) == (0, 1)

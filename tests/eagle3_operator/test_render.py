@@ -17,6 +17,25 @@ DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
 HF_SOURCE = {"huggingFace": {"repo": "org/tiny-model", "cacheClaimName": "hf-cache"}}
+# Every pod setting at once, for the server-side dry run.
+POD_SETTINGS: dict[str, Any] = {
+    "env": [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ],
+    "volumes": [{"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}}],
+    "volumeMounts": [{"name": "compile-cache", "mountPath": "/home/eagle3/.cache"}],
+    "podMetadata": {"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"team": "ml"}},
+    "runtimeClassName": "nvidia",
+    "serviceAccountName": "bucket-reader",
+    "schedulerName": "volcano",
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "shmSize": "32Gi",
+    "securityContext": {"platformAssignedIds": True},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+}
 
 
 def make_spec(source: dict[str, Any] | None = None, **fields: Any) -> Eagle3TargetSpec:
@@ -196,11 +215,92 @@ def test_pod_runs_as_the_target_images_user():
     assert (str(context["runAsUser"]), str(context["runAsGroup"])) == user
 
 
-def test_shared_memory_is_memory_backed():
-    pod, server = pod_of(make_spec()), server_of(make_spec())
+@pytest.mark.parametrize(("fields", "size"), [({}, "16Gi"), ({"shmSize": "64Gi"}, "64Gi")])
+def test_shared_memory_is_memory_backed_and_bounded(fields, size):
+    spec = make_spec(**fields)
+    pod, server = pod_of(spec), server_of(spec)
     shm = next(m for m in server["volumeMounts"] if m["mountPath"] == "/dev/shm")
     volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
-    assert volume["emptyDir"] == {"medium": "Memory"}
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+
+
+def test_pod_settings_reach_the_pod_template():
+    spec = make_spec(
+        env=[
+            {"name": "NCCL_DEBUG", "value": "INFO"},
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
+        ],
+        volumes=[{"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}}],
+        volumeMounts=[{"name": "nvme", "mountPath": "/cache/vllm", "readOnly": False}],
+        podMetadata={
+            "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"},
+            "annotations": {"sidecar.istio.io/inject": "false"},
+        },
+        runtimeClassName="nvidia",
+        serviceAccountName="bucket-reader",
+        schedulerName="volcano",
+    )
+    template = children(spec)["Deployment"]["spec"]["template"]
+    pod, server = template["spec"], template["spec"]["containers"][0]
+    assert server["env"] == [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
+    ]
+    assert {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}} in pod["volumes"]
+    assert {"name": "nvme", "mountPath": "/cache/vllm", "readOnly": False} in server["volumeMounts"]
+    assert [v["name"] for v in pod["volumes"]] == ["model", "dshm", "nvme"]
+    assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert render.selector_labels("tiny").items() <= template["metadata"]["labels"].items()
+    assert template["metadata"]["annotations"] == {
+        "sidecar.istio.io/inject": "false",
+        "kubectl.kubernetes.io/default-container": "server",
+    }
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["serviceAccountName"] == pod["serviceAccount"] == "bucket-reader"
+    assert pod["automountServiceAccountToken"] is False  # a cloud identity needs no Kubernetes API token
+    assert pod["schedulerName"] == "volcano"
+
+
+def test_unset_pod_settings_leave_no_trace():
+    pod = pod_of(make_spec())
+    for absent in (
+        "runtimeClassName",
+        "serviceAccountName",
+        "serviceAccount",
+        "schedulerName",
+        "topologySpreadConstraints",
+    ):
+        assert absent not in pod
+    assert [e["name"] for e in pod["containers"][0]["env"]] == ["HF_HUB_OFFLINE"]
+
+
+def test_topology_spread_defaults_to_this_targets_pods():
+    own = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    other = {
+        "maxSkew": 2,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchExpressions": [{"key": "team", "operator": "Exists"}]},
+        "minDomains": 2,
+    }
+    spread = pod_of(make_spec(topologySpreadConstraints=[own, other]))["topologySpreadConstraints"]
+    assert spread == [
+        {**own, "labelSelector": {"matchLabels": render.selector_labels("tiny")}},
+        {**other, "labelSelector": {"matchExpressions": [{"key": "team", "operator": "Exists"}]}},
+    ]
+
+
+def test_ids_are_the_images_unless_set_or_left_to_the_platform():
+    custom = pod_of(make_spec(securityContext={"runAsUser": 2000, "fsGroup": 3000}))["securityContext"]
+    assert (custom["runAsUser"], custom["runAsGroup"], custom["fsGroup"]) == (2000, 0, 3000)
+    platform = pod_of(make_spec(securityContext={"platformAssignedIds": True}))["securityContext"]
+    assert not {"runAsUser", "runAsGroup", "fsGroup"} & platform.keys()
+    # What OpenShift's restricted-v2 SCC still demands holds either way.
+    assert platform["runAsNonRoot"] is True and platform["seccompProfile"] == {"type": "RuntimeDefault"}
+    server = pod_of(make_spec(securityContext={"platformAssignedIds": True}))["containers"][0]
+    assert server["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert server["securityContext"]["allowPrivilegeEscalation"] is False
 
 
 def test_pvc_source_mounts_the_claim_read_only_at_its_sub_path():
@@ -288,10 +388,19 @@ def test_scheduling_fields_are_copied_into_the_pod():
     assert server_of(make_spec())["image"] == render.DEFAULT_IMAGE
 
 
-def test_rollout_never_needs_extra_gpus():
+def test_rollout_never_needs_extra_gpus_by_default():
     deployment = children(make_spec(replicas=3))["Deployment"]
     assert deployment["spec"]["replicas"] == 3
-    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+
+
+def test_rollout_follows_the_spec():
+    spec = make_spec(replicas=4, rollout={"maxSurge": "25%", "maxUnavailable": 0})
+    rolling = children(spec)["Deployment"]["spec"]["strategy"]["rollingUpdate"]
+    assert rolling == {"maxSurge": "25%", "maxUnavailable": 0}
 
 
 def test_suspend_scales_to_zero_and_drops_the_budget():
@@ -409,6 +518,7 @@ def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         auth={"tokenSecretRef": {"name": "token"}},
         affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        **POD_SETTINGS,
     )
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
     rendered = render.build_children(LONG_NAME, namespace, UID, spec, pod_monitor_supported=False)

@@ -1,5 +1,6 @@
 """The typed spec mirrors the CRD field for field and default for default, and rejects bad specs readably."""
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -7,6 +8,12 @@ from typing import Any
 
 import pytest
 import yaml
+from eagle3_operator.constants import (
+    OPERATOR_ENV,
+    OPERATOR_LABEL_KEYS,
+    OPERATOR_MOUNT_PATHS,
+    OPERATOR_VOLUMES,
+)
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from pydantic import BaseModel
 
@@ -178,3 +185,48 @@ def test_examples_parse(path):
     assert targets
     for target in targets:
         Eagle3TargetSpec.parse(target["spec"])
+
+
+def _quoted(rule: str) -> set[str]:
+    return set(re.findall(r"'([^']*)'", rule))
+
+
+def test_crd_refuses_exactly_what_the_operator_sets_in_the_pod():
+    """The CRD's CEL lists and the typed spec's constants are the same names."""
+    properties = crd_spec_schema()["properties"]
+    (env_rule,) = properties["env"]["x-kubernetes-validations"]
+    assert _quoted(env_rule["rule"]) == OPERATOR_ENV
+    (volume_rule,) = properties["volumes"]["x-kubernetes-validations"]
+    assert _quoted(volume_rule["rule"]) == OPERATOR_VOLUMES
+    (mount_rule,) = properties["volumeMounts"]["x-kubernetes-validations"]
+    assert _quoted(mount_rule["rule"]) - {"/"} == set(OPERATOR_MOUNT_PATHS)
+    label_rule = properties["podMetadata"]["properties"]["labels"]["x-kubernetes-validations"][0]
+    assert _quoted(label_rule["rule"]) == set(OPERATOR_LABEL_KEYS)
+
+
+@pytest.mark.parametrize("name", sorted(OPERATOR_ENV))
+def test_every_operator_env_name_is_refused(name):
+    with pytest.raises(InvalidSpec, match="set by the operator"):
+        Eagle3TargetSpec.parse(pvc_spec(env=[{"name": name, "value": "x"}]))
+
+
+@pytest.mark.parametrize(
+    ("path", "refused"),
+    [
+        *(("/models", True), ("/models/cache", True), ("/", True), ("/var/run", True), ("/dev", True)),
+        *(("/models2", False), ("/cache", False), ("/var/run/other", False), ("/dev/shm2", False)),
+    ],
+)
+def test_mounts_stay_clear_of_the_operators(path, refused):
+    spec = pvc_spec(volumes=[{"name": "v", "emptyDir": {}}], volumeMounts=[{"name": "v", "mountPath": path}])
+    if refused:
+        with pytest.raises(InvalidSpec, match="overlaps a path the operator mounts"):
+            Eagle3TargetSpec.parse(spec)
+    else:
+        assert Eagle3TargetSpec.parse(spec).volume_mounts[0].mount_path == path
+
+
+def test_volumes_keep_their_source_as_given():
+    volume = {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}}
+    spec = Eagle3TargetSpec.parse(pvc_spec(volumes=[volume]))
+    assert spec.volumes[0].model_dump(by_alias=True) == volume

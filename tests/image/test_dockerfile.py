@@ -108,6 +108,15 @@ def test_runs_as_a_numeric_non_root_user(dockerfile):
     assert uid.isdigit() and int(uid) != 0
 
 
+def test_home_is_writable_for_an_arbitrary_uid_in_group_zero(dockerfile):
+    """OpenShift's restricted SCC (spec.securityContext.platformAssignedIds) picks the uid; the gid is 0."""
+    (user,) = [run for run in dockerfile["RUN"] if "useradd" in run]
+    home = re.search(r"--home-dir (\S+)", user).group(1)
+    assert "--gid 0" in user
+    assert f"chmod -R g=u {home}" in user
+    assert dockerfile["USER"][-1].endswith(":0")
+
+
 def test_copied_paths_exist(dockerfile):
     for copy in dockerfile["COPY"]:
         *sources, _destination = copy.split()
