@@ -55,6 +55,17 @@ def run(
     api_timeout_seconds: Annotated[
         float, typer.Option(min=1, help="timeout of one Kubernetes API request")
     ] = OperatorConfig.api_timeout_seconds,
+    operator_namespace: Annotated[
+        str | None,
+        typer.Option(
+            envvar="POD_NAMESPACE",
+            help="the namespace this operator runs in, admitted to targets' data port by their NetworkPolicy",
+        ),
+    ] = None,
+    prometheus_namespace: Annotated[
+        str | None,
+        typer.Option(help="the namespace Prometheus runs in, admitted to targets' metrics port"),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
 ) -> None:
     """Reconcile Eagle3Target resources into target-server Deployments and publish their status."""
@@ -66,7 +77,14 @@ def run(
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if metrics_port:
         prometheus_client.start_http_server(metrics_port, addr=metrics_address)
-    config = operator_config(namespace or [], all_namespaces, reprobe_seconds, api_timeout_seconds)
+    config = operator_config(
+        namespace or [],
+        all_namespaces,
+        reprobe_seconds,
+        api_timeout_seconds,
+        operator_namespace=operator_namespace,
+        prometheus_namespace=prometheus_namespace,
+    )
     kopf.run(
         registry=handlers.registry,
         clusterwide=all_namespaces,
@@ -79,13 +97,21 @@ def run(
 
 
 def operator_config(
-    namespaces: list[str], all_namespaces: bool, reprobe_seconds: float, api_timeout_seconds: float
+    namespaces: list[str],
+    all_namespaces: bool,
+    reprobe_seconds: float,
+    api_timeout_seconds: float,
+    *,
+    operator_namespace: str | None = None,
+    prometheus_namespace: str | None = None,
 ) -> OperatorConfig:
     """The config for this scope: exact namespaces turn kopf's Namespace and CRD watches off."""
     return OperatorConfig(
         reprobe_seconds=reprobe_seconds,
         api_timeout_seconds=api_timeout_seconds,
         scan_cluster=needs_cluster_scanning(namespaces, all_namespaces),
+        operator_namespace=operator_namespace,
+        prometheus_namespace=prometheus_namespace,
     )
 
 

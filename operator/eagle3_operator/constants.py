@@ -81,6 +81,7 @@ CHILD_KINDS = (
     ChildKind("apps/v1", "Deployment", "deployments"),
     ChildKind("v1", "Service", "services"),
     ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     ChildKind(POD_MONITOR_API_VERSION, "PodMonitor", "podmonitors", watched=False),
 )
 WATCHED_CHILD_KINDS = tuple(child for child in CHILD_KINDS if child.watched)

@@ -22,6 +22,7 @@ from eagle3_operator.constants import LABEL_INSTANCE, MANAGED_LABELS, POD_SELECT
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.probe import Prober
 from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
+from eagle3_operator.render import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
 from eagle3_operator.status import deployment_view, pod_view
 
@@ -61,6 +62,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
         targets=kwargs["target_index"],
         children=[kwargs[f"{child.plural}_index"] for child in WATCHED_CHILD_KINDS],
         pods=kwargs["pod_index"],
+        neighbours=Neighbours(config.operator_namespace, config.prometheus_namespace),
     )
     reprobe = asyncio.create_task(reconciler.reprobe_forever(config.reprobe_seconds))
     memo.runtime = Runtime(api, prober, reconciler, reprobe)

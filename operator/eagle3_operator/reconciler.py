@@ -23,7 +23,7 @@ from eagle3_operator import metrics
 from eagle3_operator.constants import CHILD_KINDS, LABEL_INSTANCE, POD_MONITOR_API_VERSION
 from eagle3_operator.kube import KubeApi, KubeError, TargetRef
 from eagle3_operator.probe import Prober
-from eagle3_operator.render import build_children, label_selector, selector_labels, service_url
+from eagle3_operator.render import Neighbours, build_children, label_selector, selector_labels, service_url
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_operator.status import (
     DeploymentView,
@@ -141,10 +141,12 @@ class Reconciler:
         targets: Mapping[TargetKey, Iterable[TargetSnapshot]],
         children: Iterable[Mapping[TargetKey, Iterable[ChildState]]],
         pods: Mapping[TargetKey, Iterable[PodView]],
+        neighbours: Neighbours | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """`targets`, `children` and `pods` are kopf indexes (key → the values indexed under it)."""
         self._api = api
+        self._neighbours = neighbours or Neighbours()
         self._prober = prober
         self._targets = targets
         self._children = list(children)
@@ -273,7 +275,9 @@ class Reconciler:
         namespace, name = key
         monitor_wanted = spec.monitoring.pod_monitor.enabled and not spec.external
         monitors = monitor_wanted and await self._api.serves(POD_MONITOR_API_VERSION)
-        desired = build_children(name, namespace, snapshot.uid, spec, pod_monitor_supported=monitors)
+        desired = build_children(
+            name, namespace, snapshot.uid, spec, pod_monitor_supported=monitors, neighbours=self._neighbours
+        )
         observed = {
             (child.kind, child.name): child
             for child in self._owned_children(key)

@@ -8,6 +8,7 @@ full desired object every time is what repairs drift: a field the operator owns 
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
@@ -33,6 +34,9 @@ from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 # Targets that name no image run the server release matching this operator.
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
 PORT_NAME = "http"
+METRICS_PORT_NAME = "metrics"
+# The label the API server puts on every Namespace: NetworkPolicies select namespaces by name with it.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 # The target image's non-root user and group (image/Dockerfile), set explicitly so that runAsNonRoot also
 # holds for custom images; fsGroup makes a download cache PVC writable for that user.
 RUN_AS_USER = 10001
@@ -70,7 +74,16 @@ def child_name(target_name: str) -> str:
 
 
 # The per-kind names of the operator interface; all are the one child name.
-deployment_name = service_name = pdb_name = pod_monitor_name = child_name
+deployment_name = service_name = pdb_name = pod_monitor_name = network_policy_name = child_name
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Namespaces outside a target's spec that its NetworkPolicy admits: the operator's (it probes the
+    servers' data port) and Prometheus' (it scrapes the metrics port). None: not known, not admitted."""
+
+    operator_namespace: str | None = None
+    prometheus_namespace: str | None = None
 
 
 def _label_value(target_name: str) -> str:
@@ -147,6 +160,7 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
     model = spec.model
     args = ["eagle3-target", "serve", "--model", model_path(spec), "--engine", spec.engine]
     args += ["--host", "0.0.0.0", "--port", str(spec.port), "--model-name", model.name]
+    args += ["--metrics-port", str(spec.monitoring.metrics_port)]
     revision = _hf_revision(spec) if model.source.hugging_face is not None else model.revision
     if revision is not None:
         args += ["--revision", revision]
@@ -286,7 +300,10 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
         "command": server_args(spec),
         # The model is already local; this keeps transformers from reaching for the Hub at load time.
         "env": env,
-        "ports": [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": spec.monitoring.metrics_port, "protocol": "TCP"},
+        ],
         "resources": _resources(spec),
         "volumeMounts": mounts,
         "startupProbe": _probe(
@@ -410,7 +427,7 @@ def build_pdb(
 def build_pod_monitor(
     name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """A prometheus-operator PodMonitor on the server's /metrics (which needs no token), when asked for."""
+    """A prometheus-operator PodMonitor on the server's metrics port (no token needed), when asked for."""
     monitor = spec.monitoring.pod_monitor
     if not monitor.enabled:
         return None
@@ -422,20 +439,73 @@ def build_pod_monitor(
         "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
-            "podMetricsEndpoints": [{"port": PORT_NAME, "path": "/metrics", "interval": monitor.interval}],
+            "podMetricsEndpoints": [
+                {"port": METRICS_PORT_NAME, "path": "/metrics", "interval": monitor.interval}
+            ],
+        },
+    }
+
+
+def _namespaces(names: list[str]) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {
+            "matchExpressions": [{"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": names}]
+        }
+    }
+
+
+def build_network_policy(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], neighbours: Neighbours
+) -> dict[str, Any] | None:
+    """Ingress to the server pods, when asked for: the data port from the operator's namespace and the
+    spec's namespaces, the metrics port from Prometheus' namespace, nothing else. A rule with no peers
+    is left out rather than rendered empty, because an empty `from` admits everyone."""
+    policy = spec.network_policy
+    if not policy.enabled:
+        return None
+    data_from = []
+    names = sorted({*policy.allowed_namespaces, *filter(None, [neighbours.operator_namespace])})
+    if names:
+        data_from.append(_namespaces(names))
+    if policy.namespace_selector is not None:
+        selector = policy.namespace_selector.model_dump(by_alias=True, exclude_defaults=True)
+        data_from.append({"namespaceSelector": selector})
+    ingress = []
+    if data_from:
+        ingress.append({"from": data_from, "ports": [{"protocol": "TCP", "port": PORT_NAME}]})
+    if neighbours.prometheus_namespace:
+        scrapers = [_namespaces([neighbours.prometheus_namespace])]
+        ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": METRICS_PORT_NAME}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(network_policy_name(name), name, namespace, owner),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
         },
     }
 
 
 def build_children(
-    name: str, namespace: str, uid: str, spec: Eagle3TargetSpec, *, pod_monitor_supported: bool
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: Eagle3TargetSpec,
+    *,
+    pod_monitor_supported: bool,
+    neighbours: Neighbours = Neighbours(),
 ) -> list[dict[str, Any]]:
     """Everything the target should own now; an owned kind missing from the list should be deleted."""
     if spec.external:
         return []
     owner = owner_reference(name, uid)
     children = [build_deployment(name, namespace, spec, owner), build_service(name, namespace, spec, owner)]
-    optional = [build_pdb(name, namespace, spec, owner)]
+    optional = [
+        build_pdb(name, namespace, spec, owner),
+        build_network_policy(name, namespace, spec, owner, neighbours),
+    ]
     if pod_monitor_supported:
         optional.append(build_pod_monitor(name, namespace, spec, owner))
     return children + [child for child in optional if child is not None]

@@ -26,6 +26,9 @@ class OperatorConfig:
     # kopf's cluster scanning: watch Namespaces (to match patterns) and CRDs (to notice new kinds). Off for a
     # list of exact namespaces, which kopf then serves as given, needing no cluster-wide reads.
     scan_cluster: bool = True
+    # Admitted by the targets' NetworkPolicies: the operator probes the data port, Prometheus scrapes metrics.
+    operator_namespace: str | None = None
+    prometheus_namespace: str | None = None
 
 
 def needs_cluster_scanning(namespaces: Iterable[str], all_namespaces: bool) -> bool:

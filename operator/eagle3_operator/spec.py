@@ -309,6 +309,7 @@ class PodMonitorSpec(_Model):
 
 class MonitoringSpec(_Model):
     pod_monitor: PodMonitorSpec = Field(default_factory=PodMonitorSpec)
+    metrics_port: int = Field(9090, ge=1024, le=65535)
 
 
 class EndpointSpec(_Model):
@@ -412,6 +413,8 @@ class Eagle3TargetSpec(_Model):
             )
         if self.engine == "vllm" and self.tensor_parallel_size < 1:
             raise ValueError("engine vllm needs GPUs: tensorParallelSize must be >= 1 (0 is for engine hf)")
+        if self.monitoring.metrics_port == self.port:
+            raise ValueError(f"monitoring.metricsPort and port must differ (both are {self.port})")
         volumes = {volume.name for volume in self.volumes}
         unknown = sorted({mount.name for mount in self.volume_mounts} - volumes)
         if unknown:

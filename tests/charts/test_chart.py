@@ -79,6 +79,10 @@ VALUE_SETS = {
         "image.tag": "dev",
     },
     "no metrics service": {"metrics.service.enabled": "false"},
+    "prometheus namespace, no user roles": {
+        "targets.prometheusNamespace": "monitoring",
+        "rbac.aggregateToDefaultRoles": "false",
+    },
 }
 
 
@@ -97,6 +101,8 @@ def test_lint_strict(case):
 def test_defaults_serve_every_namespace_with_one_recreated_replica():
     objects = render({})
     assert sorted(o["kind"] for o in objects) == [
+        "ClusterRole",
+        "ClusterRole",
         "ClusterRole",
         "ClusterRole",
         "ClusterRoleBinding",
@@ -122,6 +128,9 @@ def test_operator_args_are_valid_and_probes_hit_its_ports(case):
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert options["metrics_port"] == ports["metrics"]
     assert options["verbose"] is (values.get("logLevel") == "debug")
+    assert options["prometheus_namespace"] == (values.get("targets.prometheusNamespace") or None)
+    (pod_namespace,) = [e for e in container["env"] if e["name"] == "POD_NAMESPACE"]
+    assert pod_namespace["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert container["image"] == f"ghcr.io/eagle3-dev/eagle3-operator:{values.get('image.tag', '0.1.0')}"
 
 
@@ -158,8 +167,11 @@ def test_watch_namespaces_gives_roles_there_and_nothing_cluster_wide():
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == ["team-a", "team-b"]
-    # Exact names turn kopf's Namespace and CRD watches off, so nothing cluster-scoped is granted.
-    assert by_kind(objects, "ClusterRole") == [] and by_kind(objects, "ClusterRoleBinding") == []
+    # Exact names turn kopf's Namespace and CRD watches off, so nothing cluster-scoped is granted to the
+    # operator; the only ClusterRoles are the users' aggregated ones, which the chart binds to no one.
+    assert by_kind(objects, "ClusterRoleBinding") == []
+    for role in by_kind(objects, "ClusterRole"):
+        assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     options = cli_options(operator_container(objects)["args"])
     assert options["namespace"] == ["team-a", "team-b"] and options["all_namespaces"] is False
     assert not needs_cluster_scanning(options["namespace"], options["all_namespaces"])
@@ -203,6 +215,32 @@ def test_existing_service_account_is_used_not_created():
         ]
 
 
+def user_roles(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The aggregated ClusterRoles for namespace users, by the built-in role they extend."""
+    aggregated = [
+        role
+        for role in by_kind(objects, "ClusterRole")
+        if any(
+            key.startswith("rbac.authorization.k8s.io/aggregate-to-") for key in role["metadata"]["labels"]
+        )
+    ]
+    return {role["metadata"]["name"].rsplit("-", 1)[1]: role for role in aggregated}
+
+
+def test_user_roles_extend_the_built_in_view_edit_and_admin_roles():
+    roles = user_roles(render({}))
+    assert sorted(roles) == ["edit", "view"]
+    view_labels, edit_labels = roles["view"]["metadata"]["labels"], roles["edit"]["metadata"]["labels"]
+    for role in ("view", "edit", "admin"):
+        assert view_labels[f"rbac.authorization.k8s.io/aggregate-to-{role}"] == "true"
+    assert "rbac.authorization.k8s.io/aggregate-to-view" not in edit_labels  # viewers never write
+    (view_rule,) = roles["view"]["rules"]
+    assert view_rule["verbs"] == ["get", "list", "watch"]
+    # Status is the operator's report: no user role writes it.
+    assert all("eagle3targets/status" not in rule["resources"] for rule in roles["edit"]["rules"])
+    assert user_roles(render(VALUE_SETS["prometheus namespace, no user roles"])) == {}
+
+
 BAD_VALUES = {
     "namespaces as a string": ({"watchNamespaces": "all"}, "at '/watchNamespaces': got string, want array"),
     "bad namespace name": ({"watchNamespaces": "{Team_A}"}, "'Team_A' does not match pattern"),
@@ -220,6 +258,10 @@ BAD_VALUES = {
     "no account": ({"serviceAccount.create": "false"}, "at '/serviceAccount/name'"),
     "bad quantity": ({"resources.limits.memory": "lots"}, "at '/resources/limits/memory'"),
     "log level": ({"logLevel": "trace"}, "at '/logLevel'"),
+    "bad prometheus namespace": (
+        {"targets.prometheusNamespace": "Mon_1"},
+        "at '/targets/prometheusNamespace'",
+    ),
 }
 
 
@@ -279,6 +321,9 @@ NEEDED = [
     ("watch", "deployments.apps"),
     ("patch", "services"),
     ("patch", "poddisruptionbudgets.policy"),
+    ("watch", "networkpolicies.networking.k8s.io"),
+    ("patch", "networkpolicies.networking.k8s.io"),
+    ("delete", "networkpolicies.networking.k8s.io"),
     ("watch", "pods"),
     ("get", "secrets"),
     ("create", "events"),
@@ -297,6 +342,7 @@ FORBIDDEN = [
     ("create", "pods", "--subresource=exec"),
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "serviceaccounts", "--subresource=token"),
+    ("update", "networkpolicies.networking.k8s.io"),
     ("*", "*"),
 ]
 
@@ -400,3 +446,40 @@ def test_operator_with_the_charts_account_reconciles_a_target_to_ready(cluster, 
         farm.close()
         cluster.helm("uninstall", "e3", "--namespace", namespace, check=False)
         cluster.kubectl("delete", "namespace", watched, "--wait=false", check=False)
+
+
+def test_namespace_users_manage_targets_through_the_default_roles(cluster, namespace):
+    """A user bound to the built-in edit role in one namespace may create and scale targets there (and
+    nowhere else) but not write their status; a view user may only read them."""
+    release = f"e3-{namespace[-6:]}"
+    try:
+        cluster.helm("install", release, str(CHART), "--namespace", namespace)
+        for user, role in (("ada", "edit"), ("vic", "view")):
+            cluster.kubectl(
+                "create",
+                "rolebinding",
+                f"{user}-{role}",
+                f"--clusterrole={role}",
+                f"--user={user}",
+                "-n",
+                namespace,
+            )
+        targets = "eagle3targets.eagle3.dev"
+
+        def settled() -> bool:  # the aggregation controller fills the built-in roles asynchronously
+            return can_i(cluster, "ada", "create", targets, namespace) and can_i(
+                cluster, "vic", "get", targets, namespace
+            )
+
+        wait_for(settled, "the built-in roles to aggregate the chart's", timeout=30)
+        for verb in ("create", "patch", "delete", "list", "watch"):
+            assert can_i(cluster, "ada", verb, targets, namespace), verb
+        assert can_i(cluster, "ada", "update", targets, namespace, "--subresource=scale")
+        assert not can_i(cluster, "ada", "patch", targets, namespace, "--subresource=status")
+        assert not can_i(cluster, "ada", "create", targets, "default")
+        for verb in ("get", "list", "watch"):
+            assert can_i(cluster, "vic", verb, targets, namespace), verb
+        for verb in ("create", "patch", "delete"):
+            assert not can_i(cluster, "vic", verb, targets, namespace), verb
+    finally:
+        cluster.helm("uninstall", release, "--namespace", namespace, check=False)

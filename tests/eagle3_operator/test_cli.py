@@ -16,7 +16,7 @@ def test_scope_must_be_namespaces_or_all(args):
 
 
 def test_help_names_the_operational_flags():
-    result = CliRunner().invoke(app, ["--help"], terminal_width=200)
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     for flag in (
         "--namespace",
@@ -25,6 +25,8 @@ def test_help_names_the_operational_flags():
         "--metrics-port",
         "--standalone",
         "--peering",
+        "--operator-namespace",
+        "--prometheus-namespace",
     ):
         assert flag in result.output
 

@@ -14,6 +14,7 @@ def test_the_table_lists_every_rendered_kind_once():
             "model": {"name": "tiny", "source": {"pvc": {"claimName": "models"}}},
             "replicas": 2,
             "monitoring": {"podMonitor": {"enabled": True}},
+            "networkPolicy": {"enabled": True},
         }
     )
     rendered = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=True)
@@ -32,4 +33,5 @@ def test_kopf_selectors_name_group_version_and_plural():
         ("apps", "v1", "deployments"),
         ("v1", "services"),
         ("policy", "v1", "poddisruptionbudgets"),
+        ("networking.k8s.io", "v1", "networkpolicies"),
     }

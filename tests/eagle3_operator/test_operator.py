@@ -372,7 +372,7 @@ def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets):
         targets.create(target_manifest("watched", free_port(), monitoring=monitoring))
         monitor = wait_for(pod_monitor, "the PodMonitor")
         assert monitor["metadata"]["labels"]["release"] == "prom"
-        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
         targets.patch_spec("watched", {"monitoring": {"podMonitor": {"enabled": False}}})
         wait_for(lambda: pod_monitor() is None, "the PodMonitor deleted once disabled")
     finally:
@@ -591,3 +591,33 @@ def _shape_and_unshape(targets: Targets) -> None:
     assert shaped["runAsUser"] == 10001
     rolling = targets.deployment("shaped").spec.strategy.rolling_update
     assert (rolling.max_surge, rolling.max_unavailable) == (0, 1)
+
+
+def test_network_policy_is_accepted_selects_the_targets_pods_and_goes_when_disabled(targets: Targets):
+    networking = kubernetes.client.NetworkingV1Api(targets.cluster.api_client)
+
+    def policy() -> kubernetes.client.V1NetworkPolicy | None:
+        found = networking.list_namespaced_network_policy(targets.namespace).items
+        return found[0] if found else None
+
+    isolation = {"enabled": True, "allowedNamespaces": ["trainers"]}
+    targets.create(target_manifest("fenced", free_port(), replicas=2, networkPolicy=isolation))
+    targets.create(target_manifest("neighbour", free_port()))
+    created = wait_for(policy, "the NetworkPolicy")
+    assert created.metadata.name == "fenced"
+    assert created.metadata.owner_references[0].name == "fenced"
+    wait_for(lambda: len(targets.pods("fenced")) == 2 and targets.pods("neighbour"), "both targets' pods")
+    selector = ",".join(f"{k}={v}" for k, v in created.spec.pod_selector.match_labels.items())
+    selected = targets.core.list_namespaced_pod(targets.namespace, label_selector=selector).items
+    assert sorted(p.metadata.name for p in selected) == sorted(
+        p.metadata.name for p in targets.pods("fenced")
+    )
+    (data,) = (
+        created.spec.ingress
+    )  # this operator runs outside the cluster: no namespace of its own, no Prometheus
+    assert [port.port for port in data.ports] == ["http"]
+    (peer,) = data._from
+    assert peer.namespace_selector.match_expressions[0].values == ["trainers"]
+
+    targets.patch_spec("fenced", {"networkPolicy": {"enabled": False}})
+    wait_for(lambda: policy() is None, "the NetworkPolicy deleted once disabled")

@@ -35,6 +35,11 @@ POD_SETTINGS: dict[str, Any] = {
     "shmSize": "32Gi",
     "securityContext": {"platformAssignedIds": True},
     "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+    "networkPolicy": {
+        "enabled": True,
+        "allowedNamespaces": ["trainers"],
+        "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]},
+    },
 }
 
 
@@ -428,8 +433,8 @@ def test_pod_monitor_when_enabled_and_its_crd_exists():
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"] == {"matchLabels": render.selector_labels("tiny")}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint == {"port": "http", "path": "/metrics", "interval": "15s"}
-    assert endpoint["port"] == server_of(spec)["ports"][0]["name"]  # a PodMonitor must name a declared port
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    assert endpoint["port"] in {p["name"] for p in server_of(spec)["ports"]}
     unsupported = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=False)
     assert "PodMonitor" not in {child["kind"] for child in unsupported}
     assert "PodMonitor" not in children(make_spec())
@@ -521,9 +526,70 @@ def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):
         **POD_SETTINGS,
     )
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
-    rendered = render.build_children(LONG_NAME, namespace, UID, spec, pod_monitor_supported=False)
-    assert {child["kind"] for child in rendered} == {"Deployment", "Service", "PodDisruptionBudget"}
+    neighbours = render.Neighbours(operator_namespace="eagle3-system", prometheus_namespace="monitoring")
+    rendered = render.build_children(
+        LONG_NAME, namespace, UID, spec, pod_monitor_supported=False, neighbours=neighbours
+    )
+    kinds = {child["kind"] for child in rendered}
+    assert kinds == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     for child in rendered:
         api = client.resources.get(api_version=child["apiVersion"], kind=child["kind"])
         created = api.create(body=child, namespace=namespace, dry_run="All")
         assert created.metadata.name == child["metadata"]["name"]
+
+
+def test_metrics_have_a_port_of_their_own():
+    server = server_of(make_spec(monitoring={"metricsPort": 9400}))
+    assert server["ports"][1] == {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}
+    assert flag(server["command"], "--metrics-port") == "9400"
+    assert flag(server_of(make_spec())["command"], "--metrics-port") == "9090"
+
+
+NEIGHBOURS = render.Neighbours(operator_namespace="eagle3-system", prometheus_namespace="monitoring")
+
+
+def policy_of(spec: Eagle3TargetSpec, neighbours: render.Neighbours = NEIGHBOURS) -> dict[str, Any] | None:
+    rendered = render.build_children(
+        "tiny", "ml", UID, spec, pod_monitor_supported=True, neighbours=neighbours
+    )
+    return next((child for child in rendered if child["kind"] == "NetworkPolicy"), None)
+
+
+def namespace_names(peer: dict[str, Any]) -> list[str]:
+    (expression,) = peer["namespaceSelector"]["matchExpressions"]
+    assert (expression["key"], expression["operator"]) == ("kubernetes.io/metadata.name", "In")
+    return expression["values"]
+
+
+def test_network_policy_only_when_enabled():
+    assert policy_of(make_spec()) is None
+    assert policy_of(make_spec(networkPolicy={"enabled": False, "allowedNamespaces": ["a"]})) is None
+
+
+def test_network_policy_admits_the_data_port_to_the_named_and_selected_namespaces_only():
+    selector = {"matchLabels": {"team": "ml"}}
+    spec = make_spec(
+        networkPolicy={"enabled": True, "allowedNamespaces": ["trainers"], "namespaceSelector": selector}
+    )
+    policy = policy_of(spec)
+    assert policy["metadata"]["name"] == "tiny"
+    assert policy["metadata"]["ownerReferences"] == [render.owner_reference("tiny", UID)]
+    assert policy["spec"]["podSelector"] == {"matchLabels": render.selector_labels("tiny")}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    data, metrics = policy["spec"]["ingress"]
+    assert data["ports"] == [{"protocol": "TCP", "port": "http"}]
+    named, selected = data["from"]
+    assert namespace_names(named) == ["eagle3-system", "trainers"]
+    assert selected == {"namespaceSelector": selector}
+    assert metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    (scraper,) = metrics["from"]
+    assert namespace_names(scraper) == ["monitoring"]
+
+
+def test_network_policy_never_renders_a_rule_that_admits_everyone():
+    """An ingress rule without peers would admit every source; with nobody to admit there is no rule."""
+    policy = policy_of(make_spec(networkPolicy={"enabled": True}), render.Neighbours())
+    assert policy["spec"]["ingress"] == []
+    only_operator = policy_of(make_spec(networkPolicy={"enabled": True}), render.Neighbours("ops"))
+    (data,) = only_operator["spec"]["ingress"]
+    assert [namespace_names(peer) for peer in data["from"]] == [["ops"]]

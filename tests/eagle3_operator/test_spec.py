@@ -53,8 +53,11 @@ def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[s
         problems.append(f"{path}: CRD {sorted(schema['properties'])} != model {sorted(fields)}")
     for name in set(schema["properties"]) & set(fields):
         prop, field = schema["properties"][name], fields[name]
-        if "default" in prop and field.get_default(call_default_factory=True) != prop["default"]:
-            problems.append(f"{path}.{name}: CRD default {prop['default']!r} != model {field.default!r}")
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):  # an object the CRD defaults to {} (its fields' own defaults)
+            default = default.model_dump(by_alias=True, exclude_defaults=True)
+        if "default" in prop and default != prop["default"]:
+            problems.append(f"{path}.{name}: CRD default {prop['default']!r} != model {default!r}")
         if prop.get("type") == "integer":
             model_bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}
             crd_bounds = {k: prop[key] for k, key in (("ge", "minimum"), ("le", "maximum")) if key in prop}
@@ -185,6 +188,14 @@ def test_examples_parse(path):
     assert targets
     for target in targets:
         Eagle3TargetSpec.parse(target["spec"])
+
+
+def test_the_gpu_example_shows_the_common_pod_settings():
+    (document,) = [d for d in yaml.safe_load_all(EXAMPLES[1].read_text()) if d["kind"] == "Eagle3Target"]
+    spec = Eagle3TargetSpec.parse(document["spec"])
+    assert spec.runtime_class_name == "nvidia"
+    assert spec.env and {"runtimeClassName", "shmSize"} <= document["spec"].keys()
+    assert spec.network_policy.enabled and spec.network_policy.allowed_namespaces
 
 
 def _quoted(rule: str) -> set[str]:

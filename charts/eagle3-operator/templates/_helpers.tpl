@@ -57,6 +57,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [list, watch, create, patch, delete]
+# A target's NetworkPolicy (spec.networkPolicy).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch, create, patch, delete]
 # PodMonitors are applied (when their CRD exists) and deleted when disabled, but not watched.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]

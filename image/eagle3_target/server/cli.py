@@ -79,6 +79,11 @@ def serve(**flags: Any) -> None:
         refuse(failure_line(exc), EXIT_LOAD_FAILED)
     configure_json_logging(settings.log_level.upper())
     app = create_app(settings)
+    if settings.metrics_port:
+        import prometheus_client
+
+        registry = app.state.server.metrics.registry
+        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

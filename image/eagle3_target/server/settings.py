@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
@@ -45,6 +45,10 @@ class ServerSettings(BaseSettings):
     )
     host: str = "0.0.0.0"
     port: int = 8000
+    metrics_port: int = Field(
+        0,
+        description="Also serve /metrics alone on this port (0: off), for a network policy to open alone.",
+    )
     max_batch_tokens: int = Field(32768, description="Most tokens per request and per engine batch.")
     max_queue: int = Field(64, description="Requests that may wait for the engine; more get 429.")
     max_vocab_mappings: int = Field(64, description="Draft vocabularies kept; the least recently used goes.")
@@ -89,6 +93,12 @@ class ServerSettings(BaseSettings):
         if value is not None and value < 1:
             raise ValueError(f"{info.field_name} must be at least 1, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _metrics_port_of_its_own(self) -> ServerSettings:
+        if self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port ({self.port})")
+        return self
 
     @property
     def display_name(self) -> str:

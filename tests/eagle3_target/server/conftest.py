@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from eagle3_target.runners import TargetRunner, load_runner
 
+from tests.cluster.waiting import LOOPBACK, free_port
 from tests.eagle3_target.server.server_process import ServerProcess, start_server
 
 MAX_BATCH_TOKENS = 2048
@@ -53,7 +54,7 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def restricted_server(
     server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Configured through EAGLE3_TARGET_* env only: bearer auth and a queue of one."""
+    """Configured through EAGLE3_TARGET_* env only: bearer auth, a queue of one, a separate metrics port."""
     directory = tmp_path_factory.mktemp("restricted")
     token_file = directory / "token"
     token_file.write_text(AUTH_TOKEN + "\n")
@@ -65,8 +66,10 @@ def restricted_server(
         "EAGLE3_TARGET_MAX_QUEUE": "1",
         "EAGLE3_TARGET_MAX_BATCH_TOKENS": "65536",
         "EAGLE3_TARGET_AUTH_TOKEN_FILE": str(token_file),
+        "EAGLE3_TARGET_METRICS_PORT": str(metrics_port := free_port()),
     }
     proc = start_server(directory, [], env=env, wait_ready=False)
+    proc.metrics_url = f"http://{LOOPBACK}:{metrics_port}"
     proc.wait_until("/readyz", 200)
     yield proc
     proc.stop()

@@ -31,6 +31,7 @@ class ServerProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    metrics_url: str | None = None  # where --metrics-port serves /metrics, when it is set
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

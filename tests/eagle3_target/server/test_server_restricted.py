@@ -27,6 +27,18 @@ def test_probes_and_metrics_need_no_token(restricted_server, path):
     assert httpx.get(restricted_server.url + path).status_code == 200
 
 
+def test_metrics_port_serves_only_the_metrics(restricted_server):
+    """EAGLE3_TARGET_METRICS_PORT: the same registry on a port a network policy can open to Prometheus."""
+    scraped = httpx.get(restricted_server.metrics_url + "/metrics")
+    assert scraped.status_code == 200
+    assert "eagle3_requests_total" in scraped.text
+    assert "eagle3_model_info" in scraped.text
+    # Any path there is the exposition; no data route is reachable through it.
+    other = httpx.get(restricted_server.metrics_url + "/v1/info", headers=AUTH)
+    assert other.headers["content-type"].startswith("text/plain")
+    assert "eagle3_requests_total" in other.text
+
+
 @pytest.mark.parametrize(
     "headers",
     [
