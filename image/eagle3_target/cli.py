@@ -3,6 +3,7 @@ importing heavy modules (torch, transformers) only when the command runs."""
 
 from __future__ import annotations
 
+import contextlib
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -47,6 +48,36 @@ def tiny_model(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(str(path))
+
+
+@app.command()
+def hydrate(
+    repo: Annotated[str, typer.Option(help="Hugging Face repository id, e.g. org/model")],
+    local_dir: Annotated[Path, typer.Option(help="directory the snapshot goes to (in the cache volume)")],
+    revision: Annotated[str, typer.Option(help="branch, tag or commit")] = "main",
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of files to skip (repeatable)")] = None,
+    progress_port: Annotated[int, typer.Option(help="serve progress JSON on this port (0: off)")] = 0,
+    termination_log: Annotated[
+        Path, typer.Option(help="where the failure reason goes (Kubernetes shows it in the pod status)")
+    ] = Path("/dev/termination-log"),
+) -> None:
+    """Download a model snapshot once and mark it complete (the operator's hydration Job runs this)."""
+    from eagle3_target.hydrate import HydrationFailed, ProgressTracker, serve_progress
+    from eagle3_target.hydrate import hydrate as run_hydration
+
+    tracker = ProgressTracker(local_dir)
+    server = serve_progress(tracker, progress_port) if progress_port else None
+    try:
+        marker = run_hydration(repo, revision, local_dir, excludes=exclude or [], tracker=tracker)
+    except HydrationFailed as failure:
+        typer.echo(str(failure), err=True)
+        with contextlib.suppress(OSError):  # outside Kubernetes there may be none; stderr has the reason
+            termination_log.write_text(str(failure))
+        raise typer.Exit(failure.exit_code) from None
+    finally:
+        if server is not None:
+            server.shutdown()
+    typer.echo(f"{repo}@{revision}: {marker['files']} files, {marker['bytes']} bytes in {local_dir}")
 
 
 app.command("serve")(serve)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
 
 # The Eagle3Target custom resource (crds/eagle3targets.eagle3.dev.yaml).
 GROUP = "eagle3.dev"
@@ -99,3 +100,19 @@ class LoadProgress(BaseModel):
     done: int | None = None
     total: int | None = None
     elapsed_seconds: float = 0.0
+
+
+# Written into a model cache directory by `eagle3-target hydrate` once the whole snapshot is there; the
+# operator's server pods start only when it exists.
+HYDRATION_MARKER = ".eagle3-hydrated.json"
+
+
+class HydrationProgress(BaseModel):
+    """What a running `eagle3-target hydrate` answers on its progress port; None where not known yet."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    files_done: int | None = None
+    files_total: int | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
