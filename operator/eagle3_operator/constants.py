@@ -40,6 +40,7 @@ OPERATOR_ENV = frozenset(
                 "ENGINE",
                 "HOST",
                 "PORT",
+                "METRICS_PORT",
                 "MODEL_NAME",
                 "REVISION",
                 "DTYPE",

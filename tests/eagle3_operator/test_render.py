@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes
 import pytest
 from eagle3_operator import render
+from eagle3_operator.constants import OPERATOR_ENV
 from eagle3_operator.spec import Eagle3TargetSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -593,3 +594,21 @@ def test_network_policy_never_renders_a_rule_that_admits_everyone():
     only_operator = policy_of(make_spec(networkPolicy={"enabled": True}), render.Neighbours("ops"))
     (data,) = only_operator["spec"]["ingress"]
     assert [namespace_names(peer) for peer in data["from"]] == [["ops"]]
+
+
+def test_every_flag_the_operator_passes_has_its_env_twin_refused():
+    """A spec.env entry naming a setting the command line already sets would be silently ignored."""
+    model = {"name": "m", "dtype": "bfloat16", "trustRemoteCode": True, "source": HF_SOURCE}
+    spec = Eagle3TargetSpec.parse(
+        {
+            "model": model,
+            "auxLayerIds": [1, 2, 3],
+            "maxModelLen": 64,
+            "engineArgs": {"a": "b"},
+            "auth": {"tokenSecretRef": {"name": "t"}},
+        }
+    )
+    flags = [part for part in render.server_args(spec)[2:] if part.startswith("--")]
+    twins = {f"EAGLE3_TARGET_{flag[2:].replace('-', '_').upper()}" for flag in flags}
+    twins = {"EAGLE3_TARGET_ENGINE_ARGS" if twin == "EAGLE3_TARGET_ENGINE_ARG" else twin for twin in twins}
+    assert twins <= OPERATOR_ENV
