@@ -15,9 +15,15 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 APP_NAME = "eagle3-target"
 COMPONENT = "target-server"
-# The containers of a target pod: the server, and for Hugging Face sources the init container that downloads.
+# The containers of a target pod: the server, and for Hugging Face sources the init container that waits
+# for the model; and the container of the hydration Job that downloads it.
 SERVER_CONTAINER = "server"
+WAIT_CONTAINER = "wait-for-model"
 DOWNLOAD_CONTAINER = "download-model"
+# The hydration Job's pods: its component label tells them from the server pods (they carry no name label,
+# so no Service, Deployment, budget or NetworkPolicy selects them); the port their progress is served on.
+HYDRATION_COMPONENT = "model-hydration"
+HYDRATION_PROGRESS_PORT = 8090
 # The label every child carries; the watches select on it, so memory does not grow with the cluster.
 MANAGED_LABELS = {LABEL_MANAGED_BY: FIELD_MANAGER}
 
@@ -83,6 +89,7 @@ CHILD_KINDS = (
     ChildKind("v1", "Service", "services"),
     ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    ChildKind("batch/v1", "Job", "jobs"),
     ChildKind(POD_MONITOR_API_VERSION, "PodMonitor", "podmonitors", watched=False),
 )
 WATCHED_CHILD_KINDS = tuple(child for child in CHILD_KINDS if child.watched)

@@ -24,7 +24,7 @@ from eagle3_operator.probe import Prober
 from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
 from eagle3_operator.render import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
-from eagle3_operator.status import deployment_view, pod_view
+from eagle3_operator.status import deployment_view, job_view, pod_view
 
 # The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
 registry = kopf.OperatorRegistry()
@@ -144,6 +144,7 @@ async def child_index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any
         owner_uid=owner[1],
         essence=copy.deepcopy(essence(raw)),
         deployment=deployment_view(raw) if raw["kind"] == "Deployment" else None,
+        job=job_view(raw) if raw["kind"] == "Job" else None,
     )
     return {(namespace, owner[0]): state}
 

@@ -87,7 +87,13 @@ class KubeApi:
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete one child, only if it is still the object observed (uid precondition); gone is fine."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        # Background: the dependents go too (a Job's pods would otherwise be orphaned, its API's default).
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "preconditions": {"uid": uid},
+            "propagationPolicy": "Background",
+        }
         try:
             await self._request("DELETE", object_path(api_version, kind, namespace, name), [], body)
         except KubeError as error:

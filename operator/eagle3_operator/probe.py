@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Mapping
 
 import httpx
-from eagle3_target.protocol import LoadProgress
+from eagle3_target.protocol import HydrationProgress, LoadProgress
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from eagle3_operator.status import ProbeResult, ServerInfo
@@ -65,6 +65,17 @@ class Prober:
             except httpx.TransportError as error:
                 return ProbeResult(ready=False, reachable=False, error=f"{type(error).__name__}: {error}")
             return _parse_info(info)
+
+    async def hydration_progress(self, url: str) -> HydrationProgress | None:
+        """What a running hydration pod says it has done; None when it does not answer (yet)."""
+        async with self._slots:
+            try:
+                response = await self._client.get(url)
+                return (
+                    HydrationProgress.model_validate_json(response.content) if response.is_success else None
+                )
+            except (httpx.TransportError, ValidationError):
+                return None
 
 
 def _not_ready(response: httpx.Response) -> ProbeResult:

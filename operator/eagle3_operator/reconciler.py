@@ -20,18 +20,35 @@ from typing import Any, TypeVar
 from kubernetes.utils import parse_quantity
 
 from eagle3_operator import metrics
-from eagle3_operator.constants import CHILD_KINDS, LABEL_INSTANCE, POD_MONITOR_API_VERSION
+from eagle3_operator.constants import (
+    CHILD_KINDS,
+    HYDRATION_PROGRESS_PORT,
+    LABEL_INSTANCE,
+    POD_MONITOR_API_VERSION,
+)
 from eagle3_operator.kube import KubeApi, KubeError, TargetRef
 from eagle3_operator.probe import Prober
-from eagle3_operator.render import Neighbours, build_children, label_selector, selector_labels, service_url
+from eagle3_operator.render import (
+    Neighbours,
+    build_children,
+    hf_revision,
+    hydration_job_name,
+    label_selector,
+    selector_labels,
+    service_url,
+)
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_operator.status import (
     DeploymentView,
+    Hydration,
+    JobView,
     Observation,
     PodView,
     ProbeResult,
     compute_status,
     deployment_view,
+    describe_progress,
+    hydration_state,
     status_patch,
     transitions,
 )
@@ -73,6 +90,7 @@ class ChildState:
     owner_uid: str
     essence: Mapping[str, Any]  # metadata labels/annotations/ownerReferences and spec: what drift compares
     deployment: DeploymentView | None = None
+    job: JobView | None = None
 
 
 def essence(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,18 +293,29 @@ class Reconciler:
         namespace, name = key
         monitor_wanted = spec.monitoring.pod_monitor.enabled and not spec.external
         monitors = monitor_wanted and await self._api.serves(POD_MONITOR_API_VERSION)
-        desired = build_children(
-            name, namespace, snapshot.uid, spec, pod_monitor_supported=monitors, neighbours=self._neighbours
-        )
         observed = {
             (child.kind, child.name): child
             for child in self._owned_children(key)
             if child.owner_uid == snapshot.uid
         }
+        job_name = hydration_job_name(name, spec)
+        job = observed.get(("Job", job_name)) if job_name is not None else None
+        hydrated = job_name is None or (job is not None and job.job is not None and job.job.complete)
+        desired = build_children(
+            name,
+            namespace,
+            snapshot.uid,
+            spec,
+            pod_monitor_supported=monitors,
+            neighbours=self._neighbours,
+            hydrated=hydrated,
+        )
         applied: dict[str, dict[str, Any]] = {}
         for manifest in desired:
             child_key = (manifest["kind"], manifest["metadata"]["name"])
             current = observed.pop(child_key, None)
+            if manifest["kind"] == "Deployment" and not hydrated and current is not None:
+                continue  # Held as is (its pods may serve a previous revision) until the download completes.
             digest = _digest(manifest)
             if manifest["kind"] in UNWATCHED_KINDS and memory.applied.get(child_key, ("",))[0] == digest:
                 continue
@@ -330,7 +359,7 @@ class Reconciler:
             return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
         deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
-        pods = self._pods_of(key)
+        pods = [pod for pod in self._pods_of(key) if not pod.hydration]
         # Pods not ready yet are probed too: a loading server's 503 says how far it has come.
         running = {p.name: f"http://{p.ip}:{spec.port}" for p in pods if p.ip and not p.terminating}
         probes: dict[str, ProbeResult] = await self._prober.probe_many(running, token) if running else {}
@@ -343,7 +372,26 @@ class Reconciler:
             deployment=deployment,
             pods=pods,
             probes=probes,
+            hydration=await self._hydration(key, spec),
         )
+
+    async def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec) -> Hydration | None:
+        """The download's state, from the hydration Job and its pods; its progress from the running pod."""
+        job_name = hydration_job_name(key[1], spec)
+        if job_name is None:
+            return None
+        source = spec.model.source.hugging_face
+        described = f"{source.repo}@{hf_revision(spec)} into claim {source.cache_claim_name}"
+        job = next(
+            (c.job for c in self._owned_children(key) if c.job is not None and c.job.name == job_name), None
+        )
+        pods = [pod for pod in self._pods_of(key) if pod.hydration and not pod.terminating]
+        running = [p for p in pods if p.ip and not p.finished]
+        progress = None
+        if running and not (job is not None and job.complete):
+            url = f"http://{running[0].ip}:{HYDRATION_PROGRESS_PORT}"
+            progress = describe_progress(await self._prober.hydration_progress(url))
+        return hydration_state(described, job, pods, progress)
 
     async def _token(self, namespace: str, spec: Eagle3TargetSpec) -> str | None:
         """The bearer token /v1/info needs when spec.auth is set; cached briefly (it is read per pass)."""

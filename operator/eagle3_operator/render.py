@@ -1,4 +1,5 @@
-"""Pure rendering of an Eagle3Target's children (Deployment, Service, PodDisruptionBudget, PodMonitor).
+"""Pure rendering of an Eagle3Target's children (Deployment, Service, PodDisruptionBudget, NetworkPolicy,
+PodMonitor, and the hydration Job of a Hugging Face source).
 
 Every function here maps (name, namespace, typed spec) to plain manifest dicts and makes no API call, so the
 handlers can server-side apply the result as a whole and tests can check it without a cluster. Applying the
@@ -6,13 +7,14 @@ full desired object every time is what repairs drift: a field the operator owns 
 """
 
 import hashlib
+import json
 import math
 import re
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
-from eagle3_target.protocol import API_VERSION, KIND
+from eagle3_target.protocol import API_VERSION, HYDRATION_MARKER, KIND
 
 from eagle3_operator.constants import (
     APP_NAME,
@@ -20,6 +22,8 @@ from eagle3_operator.constants import (
     COMPONENT,
     DEFAULT_CONTAINER_ANNOTATION,
     DOWNLOAD_CONTAINER,
+    HYDRATION_COMPONENT,
+    HYDRATION_PROGRESS_PORT,
     LABEL_COMPONENT,
     LABEL_INSTANCE,
     LABEL_NAME,
@@ -28,6 +32,7 @@ from eagle3_operator.constants import (
     POD_MONITOR_API_VERSION,
     SERVER_CONTAINER,
     SHM_MOUNT,
+    WAIT_CONTAINER,
 )
 from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
@@ -137,7 +142,8 @@ def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:
     return f"http://{service_name(name)}.{namespace}.svc:{spec.port}"
 
 
-def _hf_revision(spec: Eagle3TargetSpec) -> str:
+def hf_revision(spec: Eagle3TargetSpec) -> str:
+    """The revision a huggingFace source downloads: its own, else the model's, else main."""
     source = spec.model.source.hugging_face
     return source.revision or spec.model.revision or "main"
 
@@ -145,7 +151,7 @@ def _hf_revision(spec: Eagle3TargetSpec) -> str:
 def _hf_model_dir(spec: Eagle3TargetSpec) -> str:
     """Where the download lands in the cache PVC: one directory per repo and revision, so they never mix."""
     source = spec.model.source.hugging_face
-    return f"{MODEL_MOUNT}/huggingface/{source.repo}/{_hf_revision(spec).replace('/', '--')}"
+    return f"{MODEL_MOUNT}/huggingface/{source.repo}/{hf_revision(spec).replace('/', '--')}"
 
 
 def model_path(spec: Eagle3TargetSpec) -> str:
@@ -161,7 +167,7 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
     args = ["eagle3-target", "serve", "--model", model_path(spec), "--engine", spec.engine]
     args += ["--host", "0.0.0.0", "--port", str(spec.port), "--model-name", model.name]
     args += ["--metrics-port", str(spec.monitoring.metrics_port)]
-    revision = _hf_revision(spec) if model.source.hugging_face is not None else model.revision
+    revision = hf_revision(spec) if model.source.hugging_face is not None else model.revision
     if revision is not None:
         args += ["--revision", revision]
     if model.dtype is not None:
@@ -226,8 +232,8 @@ def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any
 
 
 def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
-    """Init container that fills the cache PVC from the Hub. Files already there are kept, and when the Hub
-    is unreachable, huggingface_hub falls back to a complete copy in the directory: restarts work offline."""
+    """The hydration Job's container: `eagle3-target hydrate` fills the cache claim from the Hub, keeping
+    files already there, and marks the directory complete only once every file is whole."""
     source = spec.model.source.hugging_face
     env = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
@@ -242,14 +248,98 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         # original/ holds the checkpoint again in Meta's format, which transformers and vLLM never read.
         "command": [
-            *("hf", "download", source.repo, "--revision", _hf_revision(spec)),
+            *("eagle3-target", "hydrate", "--repo", source.repo, "--revision", hf_revision(spec)),
             *("--local-dir", _hf_model_dir(spec), "--exclude", "original/*"),
+            *("--progress-port", str(HYDRATION_PROGRESS_PORT)),
         ],
         "env": env,
+        "ports": [{"name": "progress", "containerPort": HYDRATION_PROGRESS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
-        # The Hub's refusal (a gated repo, a bad token, a missing revision) is the last lines of its log.
+        # The Hub's refusal (a gated repo, a bad token, a missing revision) is the termination message;
+        # a crash before it could write one leaves the tail of the log instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
+    }
+
+
+def hydration_marker(spec: Eagle3TargetSpec) -> str:
+    """The file whose presence says the cache directory holds the whole snapshot."""
+    return f"{_hf_model_dir(spec)}/{HYDRATION_MARKER}"
+
+
+def _wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
+    """Init container of every server pod: it holds the server back until the hydration Job has marked the
+    download complete, so a half-downloaded model is never loaded."""
+    return {
+        "name": WAIT_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "sh",
+            "-c",
+            'until [ -f "$0" ]; do echo "waiting for $0 (the hydration Job)"; sleep 5; done',
+            hydration_marker(spec),
+        ],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": _container_security(),
+    }
+
+
+def _hydration_job_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
+    image = spec.image or DEFAULT_IMAGE
+    pod: dict[str, Any] = {
+        # Never: a failed attempt stays as a pod whose termination message says why; the Job retries.
+        "restartPolicy": "Never",
+        "containers": [_download_container(spec, image)],
+        "volumes": [_model_volume(spec)[0]],
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(spec),
+    }
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    labels = {LABEL_INSTANCE: _label_value(name), LABEL_COMPONENT: HYDRATION_COMPONENT, **MANAGED_LABELS}
+    return {
+        "backoffLimit": 4,
+        # Exit 2 (no such repository or revision, no access): retrying cannot help, fail the Job at once.
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": DOWNLOAD_CONTAINER, "operator": "In", "values": [2]},
+                }
+            ]
+        },
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+
+
+def hydration_job_name(name: str, spec: Eagle3TargetSpec) -> str | None:
+    """The hydration Job's name for this spec (None without a huggingFace source). It changes with what the
+    Job would do, because a Job's pod template cannot change: a new source, revision, claim or image gets a
+    new Job, which finds a snapshot that is already complete marked and ends at once."""
+    if spec.model is None or spec.model.source is None or spec.model.source.hugging_face is None:
+        return None
+    digest = _short_hash(json.dumps(_hydration_job_spec(name, spec), sort_keys=True))
+    return _fit(f"{child_name(name)[: NAME_LIMIT - 2 * _HASH_LENGTH - 11]}-hydrate-{digest}")
+
+
+def build_hydration_job(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+) -> dict[str, Any] | None:
+    """One download per (repository, revision, cache claim): a Job that fills the claim for every replica."""
+    job_name = hydration_job_name(name, spec)
+    if job_name is None:
+        return None
+    metadata = _metadata(job_name, name, namespace, owner)
+    metadata["labels"][LABEL_COMPONENT] = HYDRATION_COMPONENT
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata,
+        "spec": _hydration_job_spec(name, spec),
     }
 
 
@@ -328,7 +418,7 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
         "securityContext": _pod_security(spec),
     }
     if spec.model.source.hugging_face is not None:
-        pod["initContainers"] = [_download_container(spec, image)]
+        pod["initContainers"] = [_wait_container(spec, image)]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -353,17 +443,18 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
 
 
 def build_deployment(
-    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], *, hydrated: bool = True
 ) -> dict[str, Any]:
     """One pod per replica. By default updates replace pods one at a time without surging: GPUs are the
-    constraint (spec.rollout changes that where spare GPUs are certain)."""
+    constraint (spec.rollout changes that where spare GPUs are certain). Until the model cache is hydrated
+    no pod is asked for: it would only hold its GPUs while it waits."""
     rollout = {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(deployment_name(name), name, namespace, owner),
         "spec": {
-            "replicas": spec.effective_replicas,
+            "replicas": spec.effective_replicas if hydrated else 0,
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rollout},
             "revisionHistoryLimit": 3,
@@ -496,13 +587,19 @@ def build_children(
     *,
     pod_monitor_supported: bool,
     neighbours: Neighbours = Neighbours(),
+    hydrated: bool = True,
 ) -> list[dict[str, Any]]:
-    """Everything the target should own now; an owned kind missing from the list should be deleted."""
+    """Everything the target should own now; an owned kind missing from the list should be deleted.
+
+    `hydrated`: whether a huggingFace source's hydration Job has completed (always true for other sources).
+    """
     if spec.external:
         return []
     owner = owner_reference(name, uid)
-    children = [build_deployment(name, namespace, spec, owner), build_service(name, namespace, spec, owner)]
+    deployment = build_deployment(name, namespace, spec, owner, hydrated=hydrated)
+    children = [deployment, build_service(name, namespace, spec, owner)]
     optional = [
+        build_hydration_job(name, namespace, spec, owner),
         build_pdb(name, namespace, spec, owner),
         build_network_policy(name, namespace, spec, owner, neighbours),
     ]

@@ -15,9 +15,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES
+from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES, HydrationProgress
 
-from eagle3_operator.constants import DOWNLOAD_CONTAINER, SERVER_CONTAINER
+from eagle3_operator.constants import (
+    DOWNLOAD_CONTAINER,
+    HYDRATION_COMPONENT,
+    LABEL_COMPONENT,
+    SERVER_CONTAINER,
+    WAIT_CONTAINER,
+)
 from eagle3_operator.spec import Eagle3TargetSpec
 
 # The status keys this module owns; anything else under .status is left alone.
@@ -92,6 +98,27 @@ class PodView:
     started: datetime | None
     failure: Failure | None  # a failure readable from the pod alone (not time-based)
     progress: str | None = None  # what a pod that does not serve yet is doing, as far as the pod says
+    hydration: bool = False  # a pod of the hydration Job, not a server pod
+    finished: bool = False  # phase Succeeded or Failed: it will never run again
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The hydration Job's outcome so far."""
+
+    name: str
+    complete: bool
+    failure: Failure | None  # the Job gave up (backoff limit, or a download that cannot succeed)
+
+
+@dataclass(frozen=True)
+class Hydration:
+    """A huggingFace source's download into its cache claim, as status reports it."""
+
+    source: str  # repo@revision into claim, for messages
+    complete: bool
+    failure: Failure | None = None
+    progress: str | None = None  # files and bytes done, when the running download says
 
 
 @dataclass(frozen=True)
@@ -156,6 +183,7 @@ class Observation:
     deployment: DeploymentView | None = None
     pods: Sequence[PodView] = ()
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)  # by pod name, or the URL when external
+    hydration: Hydration | None = None  # only for huggingFace sources
 
 
 @dataclass(frozen=True)
@@ -190,14 +218,60 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         started=parse_timestamp(status.get("startTime")),
         failure=_pod_failure(conditions.get("PodScheduled") or {}, status),
         progress=_pod_progress(status),
+        hydration=(metadata.get("labels") or {}).get(LABEL_COMPONENT) == HYDRATION_COMPONENT,
+        finished=status.get("phase") in ("Succeeded", "Failed"),
     )
 
 
 def _pod_progress(status: Mapping[str, Any]) -> str | None:
     for container in status.get("initContainerStatuses") or []:
-        if container.get("name") == DOWNLOAD_CONTAINER and "running" in (container.get("state") or {}):
-            return f"downloading the model ({DOWNLOAD_CONTAINER} running)"
+        if container.get("name") == WAIT_CONTAINER and "running" in (container.get("state") or {}):
+            return f"waiting for the model download to complete ({WAIT_CONTAINER} running)"
     return None
+
+
+def job_view(job: Mapping[str, Any]) -> JobView:
+    conditions = {c.get("type"): c for c in (job.get("status") or {}).get("conditions") or []}
+    complete = (conditions.get("Complete") or {}).get("status") == "True"
+    failed = conditions.get("Failed") or {}
+    failure = None
+    if failed.get("status") == "True":
+        reason = failed.get("reason") or "Failed"
+        failure = Failure(
+            "ModelDownloadFailed", f"{reason}: {failed.get('message') or 'the download Job failed'}"
+        )
+    return JobView(name=(job.get("metadata") or {}).get("name", ""), complete=complete, failure=failure)
+
+
+def describe_progress(progress: HydrationProgress | None) -> str | None:
+    """`3/17 files, 4.2 of 16.1 GB`, or what part of it is known."""
+    if progress is None:
+        return None
+    parts = []
+    if progress.files_total is not None:
+        parts.append(f"{progress.files_done or 0}/{progress.files_total} files")
+    if progress.bytes_total is not None:
+        parts.append(f"{(progress.bytes_done or 0) / 1e9:.1f} of {progress.bytes_total / 1e9:.1f} GB")
+    return ", ".join(parts) or None
+
+
+def hydration_state(
+    source: str, job: JobView | None, pods: Iterable[PodView], progress: str | None
+) -> Hydration:
+    """What the hydration Job and its pods say: complete, failed (with the failed attempt's own reason
+    when a pod gave one), stuck on something a human must fix (an image, a Secret, a claim), or running."""
+    pods = sorted(pods, key=lambda p: (p.created or EPOCH, p.name), reverse=True)
+    if job is not None and job.complete:
+        return Hydration(source, complete=True)
+    if job is not None and job.failure is not None:
+        said = next((p.failure for p in pods if p.finished and p.failure is not None), None)
+        failure = Failure("ModelDownloadFailed", said.message) if said is not None else job.failure
+        return Hydration(source, complete=False, failure=failure)
+    stuck = next((p for p in pods if not p.finished and p.failure is not None), None)
+    if stuck is not None:
+        failure = Failure(stuck.failure.reason, f"hydration pod {stuck.name}: {stuck.failure.message}")
+        return Hydration(source, complete=False, failure=failure)
+    return Hydration(source, complete=False, progress=progress)
 
 
 def _pod_failure(scheduled: Mapping[str, Any], status: Mapping[str, Any]) -> Failure | None:
@@ -406,6 +480,9 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     )
     if spec.suspend:
         return _suspended_state(observation, fields)
+    hydration = observation.hydration
+    if hydration is not None and not hydration.complete:
+        return _hydrating_state(hydration, fields, serving=bool(ready_pods))
     failure = _first_failure(pods, deployment, observation, spec, now)
     progress = f"{len(ready_pods)}/{desired} replicas serving"
     if failure is not None:
@@ -434,6 +511,23 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     }
     phase = "Loading" if any(p.node for p in pods) else "Pending"
     return _State(phase, conditions, fields, None)
+
+
+def _hydrating_state(hydration: Hydration, fields: dict[str, Any], *, serving: bool) -> _State:
+    """No server pod is asked for until the cache is complete (pods of a previous revision keep serving)."""
+    if hydration.failure is not None:
+        return _State(
+            "Degraded" if serving else "Failed", _failed(hydration.failure), fields, hydration.failure
+        )
+    message = f"downloading {hydration.source}"
+    if hydration.progress:
+        message = f"{message}: {hydration.progress}"
+    conditions = {
+        "Ready": ("False", "Downloading", message),
+        "Progressing": ("True", "Downloading", message),
+        "Degraded": NOT_DEGRADED,
+    }
+    return _State("Pending", conditions, fields, None)
 
 
 def _suspended_state(observation: Observation, fields: dict[str, Any]) -> _State:

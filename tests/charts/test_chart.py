@@ -324,6 +324,9 @@ NEEDED = [
     ("watch", "networkpolicies.networking.k8s.io"),
     ("patch", "networkpolicies.networking.k8s.io"),
     ("delete", "networkpolicies.networking.k8s.io"),
+    ("watch", "jobs.batch"),
+    ("create", "jobs.batch"),
+    ("delete", "jobs.batch"),
     ("watch", "pods"),
     ("get", "secrets"),
     ("create", "events"),
@@ -343,6 +346,8 @@ FORBIDDEN = [
     ("create", "roles.rbac.authorization.k8s.io"),
     ("create", "serviceaccounts", "--subresource=token"),
     ("update", "networkpolicies.networking.k8s.io"),
+    ("update", "jobs.batch"),
+    ("create", "cronjobs.batch"),
     ("*", "*"),
 ]
 

@@ -11,7 +11,7 @@ UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
 def test_the_table_lists_every_rendered_kind_once():
     spec = Eagle3TargetSpec.parse(
         {
-            "model": {"name": "tiny", "source": {"pvc": {"claimName": "models"}}},
+            "model": {"name": "tiny", "source": {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "c"}}},
             "replicas": 2,
             "monitoring": {"podMonitor": {"enabled": True}},
             "networkPolicy": {"enabled": True},
@@ -24,8 +24,9 @@ def test_the_table_lists_every_rendered_kind_once():
     plurals = {child.kind: child.plural for child in CHILD_KINDS}
     for child in rendered:
         assert MANAGED_LABELS.items() <= child["metadata"]["labels"].items()
-        path = object_path(child["apiVersion"], child["kind"], "ml", "tiny")
-        assert path.endswith(f"/namespaces/ml/{plurals[child['kind']]}/tiny")
+        name = child["metadata"]["name"]
+        path = object_path(child["apiVersion"], child["kind"], "ml", name)
+        assert path.endswith(f"/namespaces/ml/{plurals[child['kind']]}/{name}")
 
 
 def test_kopf_selectors_name_group_version_and_plural():
@@ -34,4 +35,5 @@ def test_kopf_selectors_name_group_version_and_plural():
         ("v1", "services"),
         ("policy", "v1", "poddisruptionbudgets"),
         ("networking.k8s.io", "v1", "networkpolicies"),
+        ("batch", "v1", "jobs"),
     }

@@ -96,7 +96,8 @@ class Targets:
             raise
 
     def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
-        selector = f"app.kubernetes.io/instance={name}"
+        """The target's server pods (its Service's selector; hydration pods carry only the instance label)."""
+        selector = f"app.kubernetes.io/name=eagle3-target,app.kubernetes.io/instance={name}"
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
         return [p for p in pods if p.metadata.deletion_timestamp is None]
 
@@ -621,3 +622,118 @@ def test_network_policy_is_accepted_selects_the_targets_pods_and_goes_when_disab
 
     targets.patch_spec("fenced", {"networkPolicy": {"enabled": False}})
     wait_for(lambda: policy() is None, "the NetworkPolicy deleted once disabled")
+
+
+def hub_target(name: str, claim: str, **spec: Any) -> dict[str, Any]:
+    manifest = target_manifest(name, free_port(), **spec)
+    manifest["spec"]["model"]["source"] = {"huggingFace": {"repo": "org/tiny-llama", "cacheClaimName": claim}}
+    return manifest
+
+
+def hydration_jobs(targets: Targets) -> list[kubernetes.client.V1Job]:
+    return (
+        kubernetes.client.BatchV1Api(targets.cluster.api_client).list_namespaced_job(targets.namespace).items
+    )
+
+
+def hydration_pods(targets: Targets) -> list[kubernetes.client.V1Pod]:
+    selector = "app.kubernetes.io/component=model-hydration"
+    return targets.core.list_namespaced_pod(targets.namespace, label_selector=selector).items
+
+
+def bind_claim(targets: Targets, claim: str) -> str:
+    """A claim bound to a hostPath volume made for it (this cluster has no provisioner); returns the volume's
+    name, for the caller to delete (it goes once the namespace's claim has gone)."""
+    volume = f"{targets.namespace}-{claim}"
+    targets.core.create_persistent_volume(
+        {
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "hostPath": {"path": f"/tmp/{volume}"},
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+            },
+        }
+    )
+    targets.core.create_namespaced_persistent_volume_claim(
+        targets.namespace,
+        {
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+                "storageClassName": "",
+                "volumeName": volume,
+            },
+        },
+    )
+    return volume
+
+
+def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targets):
+    targets.create(hub_target("hydrated", "hf-cache", replicas=3))
+    (job,) = wait_for(lambda: hydration_jobs(targets), "the hydration Job")
+    assert job.metadata.owner_references[0].name == "hydrated"
+
+    # The claim does not exist yet, so the download cannot start: no server pod is asked for meanwhile,
+    # and the target says why.
+    def stuck() -> dict | None:
+        status = (targets.get("hydrated") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
+
+    status = wait_for(stuck, "the unschedulable download reported")
+    assert "hydration pod" in condition(status, "Ready")["message"]
+    assert "hf-cache" in condition(status, "Ready")["message"]
+    assert targets.deployment("hydrated").spec.replicas == 0 and targets.pods("hydrated") == []
+
+    volume = bind_claim(targets, "hf-cache")  # kwok runs the download pod, which then completes
+    try:
+        wait_for(lambda: len(targets.pods("hydrated")) == 3, "three server pods once the download completed")
+    finally:
+        targets.core.delete_persistent_volume(volume)
+    (job,) = hydration_jobs(targets)
+    assert job.status.succeeded == 1
+    assert len(hydration_pods(targets)) == 1  # one download for three replicas
+    for pod in targets.pods("hydrated"):
+        (wait,) = pod.spec.init_containers
+        assert wait.name == "wait-for-model" and wait.command[-1].endswith("/.eagle3-hydrated.json")
+    assert targets.deployment("hydrated").spec.replicas == 3
+
+
+def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets: Targets):
+    """The download pod stays unscheduled (no claim), so the test plays its kubelet: it ends the pod the way
+    `eagle3-target hydrate` ends on a gated repository (exit 2, the reason as termination message)."""
+    targets.create(hub_target("gated", "missing-cache", replicas=2))
+    (pod,) = wait_for(lambda: hydration_pods(targets), "the download pod")
+    reason = "org/tiny-llama@main: gated repository; the token may not read it: 401 Client Error"
+    terminated = {"exitCode": 2, "reason": "Error", "message": reason, "startedAt": None, "finishedAt": None}
+    status = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": "download-model",
+                "image": pod.spec.containers[0].image,
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"terminated": {k: v for k, v in terminated.items() if v is not None}},
+            }
+        ],
+    }
+    targets.core.patch_namespaced_pod_status(
+        pod.metadata.name, targets.namespace, [{"op": "replace", "path": "/status", "value": status}]
+    )
+
+    def failed() -> dict | None:
+        status = (targets.get("gated") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "ModelDownloadFailed" else None
+
+    status = wait_for(failed, "the failed download reported")
+    assert reason in condition(status, "Degraded")["message"]
+    assert status["lastFailure"]["reason"] == "ModelDownloadFailed" and status["phase"] == "Failed"
+    (job,) = hydration_jobs(targets)
+    assert any(c.type == "Failed" and c.status == "True" for c in job.status.conditions)
+    assert len(hydration_pods(targets)) == 1  # exit 2 is not retried
+    assert targets.deployment("gated").spec.replicas == 0 and targets.pods("gated") == []

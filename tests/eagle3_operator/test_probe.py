@@ -9,6 +9,8 @@ from pathlib import Path
 
 import httpx
 from eagle3_operator.probe import Prober
+from eagle3_target.hydrate import ProgressTracker, serve_progress
+from eagle3_target.protocol import HydrationProgress
 from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 
@@ -71,3 +73,25 @@ async def _probe(prober: Prober, addresses: dict[str, str], token: str | None = 
         return await prober.probe_many(addresses, token)
     finally:
         await prober.close()
+
+
+def test_a_running_download_reports_its_progress_and_silence_is_not_an_error(tmp_path):
+    """The hydrate command's own progress server, read the way the reconciler reads it."""
+    tracker = ProgressTracker(tmp_path)
+    tracker.plan([("model.safetensors", 2000), ("config.json", 5)])
+    (tmp_path / "config.json").write_bytes(b"{}   ")
+    server = serve_progress(tracker, port := free_port())
+
+    async def read(url: str) -> HydrationProgress | None:
+        prober = Prober()
+        try:
+            return await prober.hydration_progress(url)
+        finally:
+            await prober.close()
+
+    try:
+        progress = asyncio.run(read(f"http://{LOOPBACK}:{port}"))
+    finally:
+        server.shutdown()
+    assert progress == HydrationProgress(files_done=1, files_total=2, bytes_done=5, bytes_total=2005)
+    assert asyncio.run(read(f"http://{LOOPBACK}:{free_port()}")) is None

@@ -329,7 +329,11 @@ def test_host_path_source_mounts_the_directory():
     assert "initContainers" not in pod
 
 
-def test_hugging_face_source_downloads_into_the_cache_claim_first():
+def job_of(spec: Eagle3TargetSpec, name: str = "tiny") -> dict[str, Any]:
+    return children(spec, name)["Job"]
+
+
+def test_hugging_face_source_is_downloaded_once_by_a_job_the_pods_wait_for():
     source = {
         "huggingFace": {
             "repo": "org/tiny-model",
@@ -338,24 +342,75 @@ def test_hugging_face_source_downloads_into_the_cache_claim_first():
             "tokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
         }
     }
-    spec = make_spec(source)
-    pod, server = pod_of(spec), server_of(spec)
-    (download,) = pod["initContainers"]
+    spec = make_spec(source, replicas=3)
+    job, pod, server = job_of(spec), pod_of(spec), server_of(spec)
+    (download,) = job["spec"]["template"]["spec"]["containers"]
     command = download["command"]
-    assert command[:3] == ["hf", "download", "org/tiny-model"]
+    assert command[:4] == ["eagle3-target", "hydrate", "--repo", "org/tiny-model"]
     assert flag(command, "--revision") == "refs/pr/3"
     target_dir = flag(command, "--local-dir")
     assert target_dir == "/models/huggingface/org/tiny-model/refs--pr--3"
+    assert flag(command, "--progress-port") == str(download["ports"][0]["containerPort"])
     assert flag(server["command"], "--model") == target_dir
     assert flag(server["command"], "--revision") == "refs/pr/3"
     token = next(e for e in download["env"] if e["name"] == "HF_TOKEN")
     assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
     assert "HF_TOKEN" not in {e["name"] for e in server["env"]}  # the server never needs the Hub token
-    volume = next(v for v in pod["volumes"] if v["name"] == "model")
-    assert volume["persistentVolumeClaim"] == {"claimName": "hf-cache"}
+    job_pod = job["spec"]["template"]["spec"]
+    assert job_pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}}]
     assert {"name": "model", "mountPath": "/models"} in download["volumeMounts"]  # writable for the download
-    assert next(m for m in server["volumeMounts"] if m["name"] == "model")["readOnly"] is True
-    assert download["securityContext"] == server["securityContext"]
+    assert (
+        job_pod["restartPolicy"] == "Never"
+        and download["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    )
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]  # exit 2: a download that cannot succeed
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
+    # The server pods only wait for the marker the Job writes last, reading the claim.
+    (wait,) = pod["initContainers"]
+    assert wait["command"][-1] == f"{target_dir}/.eagle3-hydrated.json"
+    assert all(m.get("readOnly") for c in (wait, server) for m in c["volumeMounts"] if m["name"] == "model")
+    assert download["securityContext"] == server["securityContext"] == wait["securityContext"]
+
+
+def test_no_server_pod_is_asked_for_until_the_cache_is_hydrated():
+    spec = make_spec(HF_SOURCE, replicas=3)
+    pending = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=False, hydrated=False)
+    deployment = next(child for child in pending if child["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 0
+    assert children(spec)["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_hydration_pods_are_selected_by_nothing_that_selects_server_pods():
+    spec = make_spec(HF_SOURCE, replicas=3, networkPolicy={"enabled": True})
+    rendered = children(spec)
+    labels = rendered["Job"]["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "model-hydration"
+    assert labels["app.kubernetes.io/instance"] == "tiny"  # the operator's pod index finds them by target
+    for selector in (
+        rendered["Service"]["spec"]["selector"],
+        rendered["Deployment"]["spec"]["selector"]["matchLabels"],
+        rendered["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+        rendered["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"],
+    ):
+        assert not selector.items() <= labels.items()
+
+
+def test_the_job_is_named_for_what_it_downloads():
+    """A Job's pod template cannot change: a different download is a different Job; the same one keeps it."""
+    names = {
+        render.hydration_job_name("tiny", make_spec(source))
+        for source in (
+            HF_SOURCE,
+            {"huggingFace": {**HF_SOURCE["huggingFace"], "revision": "v2"}},
+            {"huggingFace": {**HF_SOURCE["huggingFace"], "cacheClaimName": "other-cache"}},
+            {"huggingFace": {**HF_SOURCE["huggingFace"], "repo": "org/other"}},
+        )
+    }
+    assert len(names) == 4
+    assert render.hydration_job_name("tiny", make_spec(HF_SOURCE, replicas=5)) in names
+    assert render.hydration_job_name("tiny", make_spec()) is None
+    long_name = render.hydration_job_name(LONG_NAME, make_spec(HF_SOURCE))
+    assert len(long_name) <= 63 and DNS_1035.match(long_name)
 
 
 @pytest.mark.parametrize(
@@ -369,9 +424,11 @@ def test_hugging_face_revision_falls_back_to_the_models_then_main(hf_revision, m
     model = {"name": "m", "source": {"huggingFace": hub}} | (
         {"revision": model_revision} if model_revision else {}
     )
-    pod = pod_of(Eagle3TargetSpec.parse({"model": model}))
-    assert flag(pod["initContainers"][0]["command"], "--revision") == expected
-    assert flag(pod["containers"][0]["command"], "--revision") == expected
+    spec = Eagle3TargetSpec.parse({"model": model})
+    assert (
+        flag(job_of(spec)["spec"]["template"]["spec"]["containers"][0]["command"], "--revision") == expected
+    )
+    assert flag(pod_of(spec)["containers"][0]["command"], "--revision") == expected
 
 
 def test_scheduling_fields_are_copied_into_the_pod():
@@ -532,7 +589,7 @@ def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):
         LONG_NAME, namespace, UID, spec, pod_monitor_supported=False, neighbours=neighbours
     )
     kinds = {child["kind"] for child in rendered}
-    assert kinds == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    assert kinds == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "Job"}
     for child in rendered:
         api = client.resources.get(api_version=child["apiVersion"], kind=child["kind"])
         created = api.create(body=child, namespace=namespace, dry_run="All")

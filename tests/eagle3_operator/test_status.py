@@ -10,16 +10,20 @@ from eagle3_operator.status import (
     STATUS_KEYS,
     DeploymentView,
     Failure,
+    JobView,
     Observation,
     PodView,
     ProbeResult,
     ServerInfo,
     compute_status,
     deployment_view,
+    describe_progress,
+    hydration_state,
     pod_view,
     status_patch,
     transitions,
 )
+from eagle3_target.protocol import HydrationProgress
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -408,26 +412,31 @@ def test_pod_view_tells_oom_kills_and_failed_downloads_from_other_crashes():
     back_off = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}
     crash_loop = pod_view(server_status(state=back_off, lastState={"terminated": crash}))
     assert crash_loop.failure == Failure("CrashLoopBackOff", "container server: back-off 20s")
-    download = server_status(state={"waiting": {"reason": "PodInitializing"}})
-    download["status"]["initContainerStatuses"] = [
-        {"name": "download-model", "ready": False, "restartCount": 1,
-         "lastState": {"terminated": {"exitCode": 1, "message": "401 Client Error: gated repo"}},
-         "state": {"running": {}}}
-    ]  # fmt: skip
-    assert pod_view(download).failure == Failure(
-        "ModelDownloadFailed",
-        "401 Client Error: gated repo (container download-model exited with code 1, 1 restarts)",
-    )
-    download["status"]["initContainerStatuses"][0].pop("lastState")
-    view = pod_view(download)
-    assert view.failure is None and view.progress == "downloading the model (download-model running)"
+    gated = {"exitCode": 2, "message": "org/tiny@main: gated repository; the token may not read it"}
+    hydration = {
+        "metadata": {"name": "h", "labels": {"app.kubernetes.io/component": "model-hydration"}},
+        "status": {"phase": "Failed", "containerStatuses": [
+            {"name": "download-model", "ready": False, "restartCount": 0, "state": {"terminated": gated}}
+        ]},
+    }  # fmt: skip
+    view = pod_view(hydration)
+    assert view.hydration and view.finished
+    exited = "container download-model exited with code 2, 0 restarts"
+    assert view.failure == Failure("ModelDownloadFailed", f"{gated['message']} ({exited})")
+    waiting = server_status(state={"waiting": {"reason": "PodInitializing"}})
+    waiting["status"]["initContainerStatuses"] = [
+        {"name": "wait-for-model", "ready": False, "restartCount": 0, "state": {"running": {}}}
+    ]
+    view = pod_view(waiting)
+    assert view.failure is None and not view.hydration
+    assert view.progress == "waiting for the model download to complete (wait-for-model running)"
 
 
 def test_a_server_that_gave_up_loading_fails_the_target_with_its_own_line():
     failed = make_pod("t-a", ready=False, failure=pod_view(
         server_status(state={"terminated": {"exitCode": 3, "message": LOAD_FAILED_LINE}})
     ).failure)  # fmt: skip
-    loading = make_pod("t-b", ready=False, progress="downloading the model (download-model running)")
+    loading = make_pod("t-b", ready=False, progress="waiting for the model download to complete")
     status = compute_status(observe(pods=(failed, loading), probes={}), {}, T0)
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ModelLoadFailed")
@@ -545,3 +554,71 @@ def test_recomputing_from_the_stored_status_writes_nothing(pods, probe, replicas
     if condition(first, "Ready")["status"] == "True":
         assert first["readyReplicas"] == replicas > 0 and not suspend and not lag
         assert all(e["ready"] for e in first["endpoints"]) and len(first["endpoints"]) == replicas
+
+
+SOURCE = "org/tiny@main into claim hf-cache"
+
+
+def hydration_pod(name: str, **overrides: Any) -> PodView:
+    return make_pod(name, ready=False, hydration=True, **overrides)
+
+
+def test_a_running_download_is_progressing_with_files_and_bytes_done():
+    progress = describe_progress(
+        HydrationProgress(files_done=3, files_total=17, bytes_done=4_200_000_000, bytes_total=16_100_000_000)
+    )
+    assert progress == "3/17 files, 4.2 of 16.1 GB"
+    running = hydration_state(
+        SOURCE, JobView("j", complete=False, failure=None), [hydration_pod("j-1")], progress
+    )
+    status = compute_status(observe(pods=(), probes={}, deployment=None, hydration=running), {}, T0)
+    for kind in ("Ready", "Progressing"):
+        assert condition(status, kind)["reason"] == "Downloading"
+        assert condition(status, kind)["message"] == f"downloading {SOURCE}: 3/17 files, 4.2 of 16.1 GB"
+    assert condition(status, "Progressing")["status"] == "True"
+    assert condition(status, "Degraded")["status"] == "False"
+    assert status["phase"] == "Pending" and status["readyDesired"] == "0/2"
+    unknown = hydration_state(SOURCE, None, [], None)  # the Job is being created: no numbers yet
+    status = compute_status(observe(pods=(), probes={}, deployment=None, hydration=unknown), {}, T0)
+    assert condition(status, "Progressing")["message"] == f"downloading {SOURCE}"
+    assert describe_progress(HydrationProgress()) is None
+
+
+def test_a_failed_download_reports_the_attempts_own_reason():
+    said = Failure(
+        "ModelDownloadFailed", "org/tiny@main: gated repository (container download-model exited 2)"
+    )
+    failed_job = JobView("j", complete=False, failure=Failure("ModelDownloadFailed", "PodFailurePolicy: x"))
+    pods = [hydration_pod("j-1", finished=True, failure=said, created=T0)]
+    state = hydration_state(SOURCE, failed_job, pods, None)
+    assert state.failure == said
+    status = compute_status(observe(pods=(), probes={}, deployment=None, hydration=state), {}, T0)
+    assert condition(status, "Ready")["reason"] == "ModelDownloadFailed"
+    assert condition(status, "Degraded")["status"] == "True"
+    assert status["phase"] == "Failed" and status["lastFailure"]["message"] == said.message
+    assert [e.type for e in transitions({}, status)] == ["Warning"]
+    # Without a pod that said why, the Job's own condition is the reason.
+    assert hydration_state(SOURCE, failed_job, [], None).failure == failed_job.failure
+
+
+def test_a_retried_attempt_is_not_a_failure_but_a_stuck_pod_is():
+    earlier = hydration_pod("j-1", finished=True, failure=Failure("ModelDownloadFailed", "reset by peer"))
+    retrying = hydration_state(SOURCE, JobView("j", False, None), [earlier, hydration_pod("j-2")], None)
+    assert retrying.failure is None and not retrying.complete
+    stuck = hydration_pod("j-3", failure=Failure("CreateContainerConfigError", 'secret "hf" not found'))
+    state = hydration_state(SOURCE, JobView("j", False, None), [earlier, stuck], None)
+    assert state.failure == Failure("CreateContainerConfigError", 'hydration pod j-3: secret "hf" not found')
+
+
+def test_a_complete_download_leaves_status_to_the_server_pods():
+    done = hydration_state(SOURCE, JobView("j", complete=True, failure=None), [], None)
+    assert done.complete
+    status = compute_status(observe(hydration=done), {}, T0)
+    assert condition(status, "Ready")["reason"] == "AllReplicasReady"
+
+
+def test_old_pods_keep_serving_while_a_new_revision_downloads():
+    running = hydration_state(SOURCE, JobView("j", False, None), [hydration_pod("j-1")], None)
+    status = compute_status(observe(hydration=running), {}, T0)
+    assert condition(status, "Ready")["reason"] == "Downloading"
+    assert status["readyReplicas"] == 2 and [e["ready"] for e in status["endpoints"]] == [True, True]

@@ -61,6 +61,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [list, watch, create, patch, delete]
+# The hydration Job that downloads a huggingFace source once for all replicas (its pods are read above).
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create, patch, delete]
 # PodMonitors are applied (when their CRD exists) and deleted when disabled, but not watched.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
