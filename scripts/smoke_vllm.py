@@ -1,28 +1,37 @@
-"""GPU smoke test: the vLLM engine's EAGLE-3 supervision against the HF engine's on a real model.
+"""GPU acceptance of the vLLM engine: its EAGLE-3 supervision against the HF engine's on a real model.
 
-Needs a CUDA GPU and `vllm==0.33.0` (the target image has both). Runs the same seeded random batch through
-both engines and prints one JSON object: top-1 (argmax) agreement of the logits, per-aux-layer cosine
-similarity of the captured hidden states, and tokens/s of each engine. Exit code 0 only when
-argmax agreement >= --min-argmax and every layer's cosine >= --min-cosine.
+Needs a CUDA GPU and `vllm==0.33.0` (the target image has both). Two modes:
 
-    python scripts/smoke_vllm.py --model /models/Llama-3.1-8B-Instruct --engine-arg max_model_len=4096
+    python scripts/smoke_vllm.py --model /models/Llama-3.1-8B-Instruct            # one comparison
+    python scripts/smoke_vllm.py --model /models/Llama-3.1-8B-Instruct --suite    # the acceptance suite
 
-The two engines use different kernels (and vLLM fuses the residual add), so bf16 results are close but not
-identical; the thresholds catch wrong layers, wrong order or a wrong logits rebuild, which score far lower.
+Each check prints one JSON line: `{"check": NAME, "pass": true|false, ...figures}`; the exit code is 0 only
+when every check passed. A comparison runs the same seeded, ragged random batch through both engines and
+scores the top-1 agreement of the logits and the cosine similarity of each aux layer: the two engines use
+different kernels (vLLM fuses the residual add), so bf16 results are close but not identical, while a wrong
+layer, a wrong order or a wrong logits rebuild scores far lower. The suite's checks are the ones of
+research/review-vllm-runner.md (section c) that one GPU can run; docs/vllm.md says what each one proves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import typer
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import DEFAULT_HIDDEN_STATES_DIR, VLLMRunner
+from eagle3_target.runners.vllm_capture import compare_logprobs
 from torch import Tensor
 
 app = typer.Typer(add_completion=False)
@@ -42,7 +51,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed(forward: Callable[[], tuple[Tensor, Tensor]], repeats: int) -> tuple[tuple[Tensor, Tensor], float]:
+def timed(forward: Callable[[], Any], repeats: int) -> tuple[Any, float]:
     """Result of one warm-up call and the mean wall time of `repeats` further calls."""
     result = forward()
     synchronize()
@@ -50,7 +59,7 @@ def timed(forward: Callable[[], tuple[Tensor, Tensor]], repeats: int) -> tuple[t
     for _ in range(repeats):
         forward()
     synchronize()
-    return result, (time.perf_counter() - start) / repeats
+    return result, (time.perf_counter() - start) / max(1, repeats)
 
 
 def aux_cosines(aux: Tensor, reference: Tensor, valid: Tensor, hidden_size: int) -> list[float]:
@@ -77,64 +86,362 @@ def parse_engine_args(pairs: list[str]) -> dict[str, str]:
     return parsed
 
 
+@dataclass
+class Suite:
+    """What every check needs: the model, the options, and the HF reference (loaded once, on demand)."""
+
+    model: Path
+    dtype: str
+    device: str
+    engine_args: dict[str, str]
+    hidden_states_dir: Path
+    seq_len: int
+    long_len: int
+    max_batch_tokens: int
+    deployed_utilization: float
+    repeats: int
+    seed: int
+    min_argmax: float
+    min_cosine: float
+    max_logit_diff: float
+    _hf: HFRunner | None = field(default=None, repr=False)
+
+    def hf(self) -> HFRunner:
+        if self._hf is None:
+            self._hf = HFRunner.from_pretrained(self.model, dtype=self.dtype, device=self.device)
+        return self._hf
+
+    def drop_hf(self) -> None:
+        """Free the reference's GPU memory before a check that needs the whole device."""
+        if self._hf is not None:
+            self._hf.close()
+            self._hf = None
+
+    @contextlib.contextmanager
+    def vllm(self, aux_layer_ids: list[int] | None = None, **engine_args: object) -> Iterator[VLLMRunner]:
+        runner = VLLMRunner.from_pretrained(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            aux_layer_ids=aux_layer_ids,
+            hidden_states_dir=self.hidden_states_dir,
+            **(self.engine_args | {k: str(v) for k, v in engine_args.items()}),
+        )
+        try:
+            yield runner
+        finally:
+            runner.close()
+
+    def compare(self, runner: VLLMRunner, input_ids: Tensor, mask: Tensor) -> dict[str, Any]:
+        """The vLLM runner's supervision against the HF engine's on one batch (the C1-C5 thresholds)."""
+        hf = self.hf()
+        hf.set_aux_layers(runner.aux_layer_ids)
+        v_logits, v_aux = runner.forward_eagle3(input_ids, mask)
+        h_logits, h_aux = hf.forward_eagle3(input_ids.to(self.device), mask.to(self.device))
+        valid = mask.bool().to(self.device)
+        argmax = (v_logits.argmax(-1).to(self.device) == h_logits.argmax(-1))[valid].float().mean().item()
+        cosines = aux_cosines(v_aux.to(self.device), h_aux, valid, runner.model.config.hidden_size)
+        return {
+            "pass": argmax >= self.min_argmax and min(cosines) >= self.min_cosine,
+            "aux_layer_ids": runner.aux_layer_ids,
+            "tokens": int(mask.sum()),
+            "argmax_agreement": round(argmax, 4),
+            "aux_cosine_per_layer": [round(c, 5) for c in cosines],
+        }
+
+    def batch(self, vocab_size: int, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+        return ragged_batch(vocab_size, batch_size, seq_len, self.seed)
+
+
+def vocab(suite: Suite) -> int:
+    return int(suite.hf().model.config.vocab_size)
+
+
+def num_layers(suite: Suite) -> int:
+    return int(suite.hf().model.config.num_hidden_layers)
+
+
+# ---- the checks (research/review-vllm-runner.md, section c) -----------------------------------------------
+
+
+def check_chunked_prefill(suite: Suite) -> dict[str, Any]:
+    """C1: rows longer than one scheduler step are prefilled in chunks and still captured whole."""
+    chunk = max(16, suite.seq_len // 8)
+    args = {"max_num_batched_tokens": chunk, "max_model_len": 2 * suite.seq_len}
+    with suite.vllm(**args) as runner:
+        return suite.compare(runner, *suite.batch(vocab(suite), 4, suite.seq_len)) | {"engine_args": args}
+
+
+def check_many_requests(suite: Suite) -> dict[str, Any]:
+    """C2: many requests per step and a batch split over several steps keep each row's own capture."""
+    args = {"max_num_seqs": 8}
+    with suite.vllm(**args) as runner:
+        input_ids, mask = suite.batch(vocab(suite), 64, max(8, suite.seq_len // 8))
+        return suite.compare(runner, input_ids, mask) | {"engine_args": args}
+
+
+def check_aux_order(suite: Suite) -> dict[str, Any]:
+    """C3: aux ids that are not ascending come back in the requested order on both of vLLM's backends."""
+    layers = num_layers(suite)
+    aux = [2 * layers // 3, 1, layers // 3 + 1]
+    results = {}
+    for impl in ("auto", "transformers"):
+        with suite.vllm(aux, model_impl=impl) as runner:
+            results[impl] = suite.compare(runner, *suite.batch(vocab(suite), 4, max(8, suite.seq_len // 4)))
+    return {"pass": all(r["pass"] for r in results.values()), "requested": aux, "backends": results}
+
+
+def check_model_runners(suite: Suite) -> dict[str, Any]:
+    """C4: C1 on vLLM's V1 model runner too (Model Runner V2 is 0.33's default for this method)."""
+    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        v1 = check_chunked_prefill(suite)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous
+    return {"pass": v1["pass"], "v1_model_runner": v1}
+
+
+def check_length_boundary(suite: Suite) -> dict[str, Any]:
+    """C5: a row of exactly max_model_len - 1 tokens is captured at every position."""
+    row = max(8, suite.seq_len // 4)
+    with suite.vllm(max_model_len=row + 1) as runner:
+        input_ids, mask = suite.batch(vocab(suite), 1, row)
+        return suite.compare(runner, input_ids, mask) | {"max_model_len": row + 1, "row_tokens": row}
+
+
+def check_logit_values(suite: Suite) -> dict[str, Any]:
+    """C6: the rebuilt logits equal vLLM's own raw logits at every prompt position (not only the argmax),
+    compared at vLLM's top-20 ids of each position from a plain engine's prompt logprobs."""
+    from vllm import LLM, SamplingParams
+
+    input_ids, _ = suite.batch(vocab(suite), 4, max(8, suite.seq_len // 4))
+    with suite.vllm() as runner:
+        rebuilt, _ = runner.forward_eagle3(input_ids)
+    plain = LLM(
+        str(suite.model),
+        dtype=suite.dtype,
+        logprobs_mode="raw_logits",
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=float(suite.engine_args.get("gpu_memory_utilization", 0.45)),
+    )
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=20)
+        outputs = plain.generate([{"prompt_token_ids": row} for row in input_ids.tolist()], params)
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+    ours, theirs = [], []
+    for row, out in enumerate(outputs):
+        # prompt_logprobs[i] scores token i from positions < i: the logits of position i - 1.
+        for position, top in enumerate(out.prompt_logprobs[1:]):
+            ids = list(top)
+            ours.append(rebuilt[row, position, ids].double().cpu())
+            theirs.append(torch.tensor([lp.logprob for lp in top.values()], dtype=torch.float64))
+    scale, max_diff = compare_logprobs(ours, theirs)
+    return {
+        "pass": max_diff <= suite.max_logit_diff and abs(scale - 1) <= 0.02,
+        "positions": len(ours),
+        "max_abs_logit_diff": round(max_diff, 4),
+        "logit_scale": round(scale, 4),
+    }
+
+
+def check_memory_headroom(suite: Suite) -> dict[str, Any]:
+    """C7: at the deployed gpu_memory_utilization, the runner's head and [B,S,V] logits for a full batch of
+    --max-batch-tokens fit beside vLLM on the same GPU."""
+    suite.drop_hf()
+    with suite.vllm(gpu_memory_utilization=suite.deployed_utilization) as runner:
+        row = min(suite.seq_len, runner.max_prompt_len)
+        input_ids = torch.randint(
+            0, runner.model.config.vocab_size, (max(1, suite.max_batch_tokens // row), row)
+        )
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            logits, _ = runner.forward_eagle3(input_ids)
+            del logits
+            error = None
+        except torch.OutOfMemoryError as exc:
+            error = str(exc).splitlines()[0]
+        free, total = torch.cuda.mem_get_info()
+        return {
+            "pass": error is None,
+            "gpu_memory_utilization": suite.deployed_utilization,
+            "batch_tokens": int(input_ids.numel()),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "free_gib_after": round(free / 2**30, 2),
+            "total_gib": round(total / 2**30, 2),
+            "error": error,
+        }
+
+
+def check_long_context(suite: Suite) -> dict[str, Any]:
+    """C8: one row of --long-len tokens is captured whole (vLLM gathers [T, n, H] on the GPU at finish)."""
+    suite.drop_hf()
+    with suite.vllm(max_model_len=suite.long_len + 1) as runner:
+        input_ids = torch.randint(0, runner.model.config.vocab_size, (1, suite.long_len))
+        started = time.perf_counter()
+        final, aux = runner.forward_hidden(input_ids)
+        seconds = time.perf_counter() - started
+        finite = bool(torch.isfinite(final).all() and torch.isfinite(aux).all())
+        nonzero = bool(aux[0, -1].abs().sum() > 0 and final[0, -1].abs().sum() > 0)
+        return {"pass": finite and nonzero, "tokens": suite.long_len, "seconds": round(seconds, 2)}
+
+
+def check_cuda_in_parent(suite: Suite) -> dict[str, Any]:
+    """C9: the checks before engine start (config refusals, the EAGLE-3 class check) leave CUDA
+    uninitialised in the serving process, so vLLM forks its workers instead of spawning them."""
+    code = (
+        "import torch, transformers\n"
+        "from eagle3_target.runners.base import text_config\n"
+        "from eagle3_target.runners.vllm import refuse_in_process_engine, refuse_unsupported_model, "
+        "require_eagle3_support\n"
+        f"config = transformers.AutoConfig.from_pretrained({str(suite.model)!r})\n"
+        "refuse_in_process_engine()\n"
+        f"refuse_unsupported_model({str(suite.model)!r}, text_config(config))\n"
+        "require_eagle3_support(config.architectures or [])\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    printed = done.stdout.strip().splitlines()[-1:] or [""]
+    return {"pass": done.returncode == 0 and printed == ["False"], "cuda_initialized": printed[0]}
+
+
+def check_throughput(suite: Suite) -> dict[str, Any]:
+    """Prefill tokens/s of vLLM with the capture (files written, read, states rebuilt) and without it
+    (a plain engine, max_tokens=1); the goal is extraction within 10% of plain prefill."""
+    from vllm import LLM, SamplingParams
+
+    suite.drop_hf()
+    gen = torch.Generator().manual_seed(suite.seed)
+    prompts = torch.randint(0, 1000, (16, suite.seq_len), generator=gen).tolist()
+    tokens = 16 * suite.seq_len
+    with suite.vllm() as runner:
+        _, extracting = timed(lambda: runner.forward_hidden(torch.tensor(prompts)), suite.repeats)
+    plain = LLM(
+        str(suite.model),
+        dtype=suite.dtype,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=float(suite.engine_args.get("gpu_memory_utilization", 0.45)),
+    )
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        _, baseline = timed(lambda: plain.generate(requests, params, use_tqdm=False), suite.repeats)
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+    ratio = baseline / extracting
+    return {
+        "pass": ratio >= 0.9,
+        "tokens_per_batch": tokens,
+        "extraction_tokens_per_s": round(tokens / extracting, 1),
+        "plain_prefill_tokens_per_s": round(tokens / baseline, 1),
+        "ratio": round(ratio, 3),
+    }
+
+
+def check_file_hygiene(suite: Suite) -> dict[str, Any]:
+    """C10: after the other checks, no capture directory, file or lock is left in the capture directory."""
+    left = sorted(str(p) for p in suite.hidden_states_dir.glob("eagle3-target-*"))
+    return {"pass": not left, "left_behind": left[:10]}
+
+
+CHECKS: dict[str, Callable[[Suite], dict[str, Any]]] = {
+    "C1-chunked-prefill": check_chunked_prefill,
+    "C2-many-requests": check_many_requests,
+    "C3-aux-order": check_aux_order,
+    "C4-model-runners": check_model_runners,
+    "C5-length-boundary": check_length_boundary,
+    "C6-logit-values": check_logit_values,
+    "C9-cuda-in-parent": check_cuda_in_parent,
+    "prefill-throughput": check_throughput,
+    "C7-memory-headroom": check_memory_headroom,
+    "C8-long-context": check_long_context,
+    "C10-file-hygiene": check_file_hygiene,
+}
+
+
+def run_checks(suite: Suite, names: list[str]) -> bool:
+    """Run the named checks in CHECKS order, one JSON line each; a check that raises fails with its error."""
+    passed = True
+    for name in [n for n in CHECKS if n in names]:
+        started = time.perf_counter()
+        try:
+            result = CHECKS[name](suite)
+        except Exception as exc:  # a failed check is reported, and the others still run
+            result = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
+        line = {"check": name} | result | {"seconds": round(time.perf_counter() - started, 1)}
+        print(json.dumps(line), flush=True)
+        passed = passed and bool(result["pass"])
+    return passed
+
+
 @app.command()
 def main(
     model: Annotated[Path, typer.Option(help="local model directory")],
+    suite: Annotated[bool, typer.Option(help="run the acceptance suite instead of one comparison")] = False,
+    checks: Annotated[str, typer.Option(help="comma-separated suite checks (default: all)")] = "",
     dtype: Annotated[str, typer.Option()] = "bfloat16",
     device: Annotated[str, typer.Option()] = "cuda",
     aux_layer_ids: Annotated[list[int] | None, typer.Option(help="3 ids, repeat the flag")] = None,
     batch_size: Annotated[int, typer.Option()] = 8,
-    seq_len: Annotated[int, typer.Option()] = 512,
-    repeats: Annotated[int, typer.Option(help="timed calls per engine")] = 3,
+    seq_len: Annotated[int, typer.Option(help="row length (the suite scales its batches from it)")] = 2048,
+    long_len: Annotated[int, typer.Option(help="C8's row length")] = 32768,
+    max_batch_tokens: Annotated[
+        int, typer.Option(help="C7's batch, as the server's --max-batch-tokens")
+    ] = 16384,
+    deployed_utilization: Annotated[float, typer.Option(help="C7's gpu_memory_utilization")] = 0.9,
+    repeats: Annotated[int, typer.Option(help="timed calls per measurement")] = 3,
     seed: Annotated[int, typer.Option()] = 0,
     engine_arg: Annotated[list[str] | None, typer.Option(help="vLLM KEY=VALUE, repeatable")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share; HF needs the rest")] = 0.45,
-    hidden_states_dir: Annotated[Path, typer.Option()] = Path(DEFAULT_HIDDEN_STATES_DIR),
+    hidden_states_dir: Annotated[Path | None, typer.Option(help="default: a fresh directory")] = None,
     min_argmax: Annotated[float, typer.Option()] = 0.95,
     min_cosine: Annotated[float, typer.Option()] = 0.99,
+    max_logit_diff: Annotated[float, typer.Option(help="C6: largest |rebuilt - vLLM| raw logit")] = 0.25,
 ) -> None:
-    engine_kwargs = {"gpu_memory_utilization": str(gpu_memory_utilization)} | parse_engine_args(
+    selected = [n.strip() for n in checks.split(",") if n.strip()] or list(CHECKS)
+    unknown = sorted(set(selected) - set(CHECKS))
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown checks {unknown}; choose from {list(CHECKS)}", param_hint="--checks"
+        )
+    engine_args = {"gpu_memory_utilization": str(gpu_memory_utilization)} | parse_engine_args(
         engine_arg or []
     )
-    # vLLM first: it sizes its KV cache from free memory and prefers to start before CUDA is in use here.
-    vllm_runner = VLLMRunner.from_pretrained(
-        model,
-        dtype=dtype,
-        device=device,
-        aux_layer_ids=aux_layer_ids,
-        hidden_states_dir=hidden_states_dir,
-        **engine_kwargs,
-    )
-    hf_runner = HFRunner.from_pretrained(
-        model, dtype=dtype, device=device, aux_layer_ids=vllm_runner.aux_layer_ids
-    )
-    config = vllm_runner.model.config
-    input_ids, mask = ragged_batch(config.vocab_size, batch_size, seq_len, seed)
-    tokens = int(mask.sum())
-    try:
-        (v_logits, v_aux), v_seconds = timed(lambda: vllm_runner.forward_eagle3(input_ids, mask), repeats)
-        (h_logits, h_aux), h_seconds = timed(
-            lambda: hf_runner.forward_eagle3(input_ids.to(device), mask.to(device)), repeats
+    with contextlib.ExitStack() as stack:
+        if hidden_states_dir is None:
+            base = DEFAULT_HIDDEN_STATES_DIR if Path(DEFAULT_HIDDEN_STATES_DIR).is_dir() else None
+            hidden_states_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=base)))
+        context = Suite(
+            model=model,
+            dtype=dtype,
+            device=device,
+            engine_args=engine_args,
+            hidden_states_dir=hidden_states_dir,
+            seq_len=seq_len,
+            long_len=long_len,
+            max_batch_tokens=max_batch_tokens,
+            deployed_utilization=deployed_utilization,
+            repeats=repeats,
+            seed=seed,
+            min_argmax=min_argmax,
+            min_cosine=min_cosine,
+            max_logit_diff=max_logit_diff,
         )
-    finally:
-        vllm_runner.close()
-    valid = mask.bool().to(device)
-    argmax_agreement = (v_logits.argmax(-1) == h_logits.argmax(-1))[valid].float().mean().item()
-    cosines = aux_cosines(v_aux, h_aux, valid, config.hidden_size)
-    passed = argmax_agreement >= min_argmax and min(cosines) >= min_cosine
-    report = {
-        "model": str(model),
-        "dtype": dtype,
-        "aux_layer_ids": vllm_runner.aux_layer_ids,
-        "tokens_per_batch": tokens,
-        "argmax_agreement": round(argmax_agreement, 4),
-        "aux_cosine_per_layer": [round(c, 5) for c in cosines],
-        "vllm_tokens_per_s": round(tokens / v_seconds, 1),
-        "hf_tokens_per_s": round(tokens / h_seconds, 1),
-        "thresholds": {"argmax": min_argmax, "cosine": min_cosine},
-        "pass": passed,
-    }
-    print(json.dumps(report, indent=2))
+        if suite:
+            passed = run_checks(context, selected)
+        else:
+            with context.vllm(aux_layer_ids) as runner:
+                result = context.compare(runner, *context.batch(vocab(context), batch_size, seq_len))
+            print(
+                json.dumps({"check": "comparison", "model": str(model), "dtype": dtype} | result), flush=True
+            )
+            passed = bool(result["pass"])
     raise typer.Exit(0 if passed else 1)
 
 
