@@ -135,8 +135,7 @@ def train(
 ) -> list[dict[str, float]]:
     """Train a fresh draft for `steps` batches; returns the history [{step, loss, acc}] (acc = top-1)."""
     torch.manual_seed(seed)
-    info = client.info()
-    vocab_size = info["vocab_size"]
+    vocab_size = client.info().vocab_size
     text = SyntheticText.generate(vocab_size, corpus_rows, seq_len, seed)
     mapping = text.draft_vocab(vocab_size, draft_vocab_size or vocab_size // 2)
     draft = Eagle3Draft(client.weight("input_embeddings"), mapping.draft_vocab_size)

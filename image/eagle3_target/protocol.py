@@ -72,6 +72,39 @@ class TargetInfo(BaseModel):
     max_model_len: int
     version: str
 
+    def served_model(self) -> ServedModel:
+        return ServedModel(
+            name=self.model,
+            revision=self.revision,
+            dtype=self.dtype,
+            engine=self.engine,
+            num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            aux_layer_ids=self.aux_layer_ids,
+            fingerprint=self.fingerprint,
+        )
+
+
+class ServedModel(BaseModel):
+    """An Eagle3Target's status.model: the model its ready servers reported at /v1/info, in the resource's
+    camelCase. The operator writes it; training jobs read it to check what they resolved."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    name: str
+    revision: str | None = None
+    dtype: str
+    engine: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layer_ids: list[int]
+    fingerprint: str
+
+    def to_status(self) -> dict[str, object]:
+        return self.model_dump(mode="json", by_alias=True)
+
 
 # ---- the server's start-up, as /readyz and the container's exit report it ----------------------------
 

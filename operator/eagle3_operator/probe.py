@@ -9,30 +9,14 @@ import asyncio
 from collections.abc import Mapping
 
 import httpx
-from eagle3_target.protocol import HydrationProgress, LoadProgress
-from pydantic import BaseModel, ConfigDict, ValidationError
+from eagle3_target.protocol import HydrationProgress, LoadProgress, TargetInfo
+from pydantic import ValidationError
 
-from eagle3_operator.status import ProbeResult, ServerInfo
+from eagle3_operator.status import ProbeResult
 
 PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
 MAX_CONCURRENT_PROBES = 64
 MAX_NOT_READY_BODY = 64 * 1024  # a loading server's 503 is a few hundred bytes; anything larger is not read
-
-
-class _InfoPayload(BaseModel):
-    """The /v1/info fields status publishes; extra fields are the server's business."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    revision: str | None = None
-    engine: str
-    dtype: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    aux_layer_ids: list[int]
-    fingerprint: str
 
 
 class Prober:
@@ -94,20 +78,9 @@ def _parse_info(response: httpx.Response) -> ProbeResult:
     if response.status_code != 200:
         return ProbeResult(ready=False, error=f"/v1/info answered {response.status_code}")
     try:
-        payload = _InfoPayload.model_validate_json(response.content)
+        info = TargetInfo.model_validate_json(response.content)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         return ProbeResult(ready=False, error=f"/v1/info is not the expected JSON: {where}: {first['msg']}")
-    info = ServerInfo(
-        name=payload.model,
-        revision=payload.revision,
-        dtype=payload.dtype,
-        engine=payload.engine,
-        num_hidden_layers=payload.num_hidden_layers,
-        hidden_size=payload.hidden_size,
-        vocab_size=payload.vocab_size,
-        aux_layer_ids=tuple(payload.aux_layer_ids),
-        fingerprint=payload.fingerprint,
-    )
-    return ProbeResult(ready=True, info=info)
+    return ProbeResult(ready=True, info=info.served_model())

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES, HydrationProgress
+from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES, HydrationProgress, ServedModel
 
 from eagle3_operator.constants import (
     DOWNLOAD_CONTAINER,
@@ -133,39 +133,11 @@ class DeploymentView:
 
 
 @dataclass(frozen=True)
-class ServerInfo:
-    """The model a server reported at GET /v1/info, as published in status.model."""
-
-    name: str
-    revision: str | None
-    dtype: str
-    engine: str
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    aux_layer_ids: tuple[int, ...]
-    fingerprint: str
-
-    def to_status(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "revision": self.revision,
-            "dtype": self.dtype,
-            "engine": self.engine,
-            "numHiddenLayers": self.num_hidden_layers,
-            "hiddenSize": self.hidden_size,
-            "vocabSize": self.vocab_size,
-            "auxLayerIds": list(self.aux_layer_ids),
-            "fingerprint": self.fingerprint,
-        }
-
-
-@dataclass(frozen=True)
 class ProbeResult:
     """One server's answer: ready means /readyz said 200 and /v1/info parsed; else `error` says why."""
 
     ready: bool
-    info: ServerInfo | None = None
+    info: ServedModel | None = None  # what /v1/info reported, as status.model publishes it
     error: str | None = None
     reachable: bool = True
     progress: str | None = None  # a loading server's own account of its load (the message of its 503)

@@ -14,7 +14,6 @@ from eagle3_operator.status import (
     Observation,
     PodView,
     ProbeResult,
-    ServerInfo,
     compute_status,
     deployment_view,
     describe_progress,
@@ -23,13 +22,23 @@ from eagle3_operator.status import (
     status_patch,
     transitions,
 )
-from eagle3_target.protocol import HydrationProgress
+from eagle3_target.protocol import HydrationProgress, ServedModel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 T0 = datetime(2026, 11, 30, 3, 0, 0, tzinfo=UTC)
 CRD = Path(__file__).parents[2] / "crds" / "eagle3targets.eagle3.dev.yaml"
-INFO = ServerInfo("tiny-llama", "abc123", "float32", "hf", 4, 32, 256, (0, 1, 2), "sha256:aaaa")
+INFO = ServedModel(
+    name="tiny-llama",
+    revision="abc123",
+    dtype="float32",
+    engine="hf",
+    num_hidden_layers=4,
+    hidden_size=32,
+    vocab_size=256,
+    aux_layer_ids=[0, 1, 2],
+    fingerprint="sha256:aaaa",
+)
 
 
 def make_spec(**overrides: Any) -> Eagle3TargetSpec:
@@ -229,7 +238,7 @@ def test_suspend_reports_suspending_then_suspended():
 
 
 def test_fingerprint_mismatch_after_rollout_is_degraded():
-    other = ServerInfo(**(INFO.__dict__ | {"fingerprint": "sha256:bbbb"}))
+    other = INFO.model_copy(update={"fingerprint": "sha256:bbbb"})
     probes = {"t-a": ProbeResult(True, INFO), "t-b": ProbeResult(True, other)}
     status = compute_status(observe(probes=probes), {}, T0)
     assert condition(status, "Degraded")["reason"] == "FingerprintMismatch"

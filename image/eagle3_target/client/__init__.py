@@ -17,7 +17,7 @@ from eagle3_target.client.errors import (
     TargetUnavailable,
 )
 from eagle3_target.client.prefetch import prefetch
-from eagle3_target.client.resolve import ModelInfo, ResolvedTarget, resolve
+from eagle3_target.client.resolve import ResolvedTarget, resolve
 
 if TYPE_CHECKING:
     from eagle3_target.client.target_client import TargetClient
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ClientError",
     "FingerprintChanged",
-    "ModelInfo",
     "RequestRejected",
     "ResolveError",
     "ResolveTimeout",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from eagle3_target.client.errors import (
     TargetCRDMissing,
     TargetNotFound,
 )
-from eagle3_target.protocol import GROUP, PLURAL, VERSION
+from eagle3_target.protocol import GROUP, PLURAL, VERSION, ServedModel
 
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
@@ -48,35 +49,6 @@ EAGLE3_TARGET = TargetResource()
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """status.model: what the pods' /v1/info reported, as the operator published it."""
-
-    name: str | None = None
-    revision: str | None = None
-    dtype: str | None = None
-    engine: str | None = None
-    num_hidden_layers: int | None = None
-    hidden_size: int | None = None
-    vocab_size: int | None = None
-    aux_layer_ids: tuple[int, ...] = ()
-    fingerprint: str | None = None
-
-    @classmethod
-    def from_status(cls, model: dict[str, Any]) -> ModelInfo:
-        return cls(
-            name=model.get("name"),
-            revision=model.get("revision"),
-            dtype=model.get("dtype"),
-            engine=model.get("engine"),
-            num_hidden_layers=model.get("numHiddenLayers"),
-            hidden_size=model.get("hiddenSize"),
-            vocab_size=model.get("vocabSize"),
-            aux_layer_ids=tuple(model.get("auxLayerIds") or ()),
-            fingerprint=model.get("fingerprint"),
-        )
-
-
-@dataclass(frozen=True)
 class ResolvedTarget:
     """A Ready target: its Service URL, the addresses of its ready pods and the model they serve."""
 
@@ -85,11 +57,11 @@ class ResolvedTarget:
     generation: int
     url: str | None
     endpoints: tuple[str, ...]
-    model: ModelInfo = field(default_factory=ModelInfo)
+    model: ServedModel | None = None  # status.model
 
     @property
     def fingerprint(self) -> str | None:
-        return self.model.fingerprint
+        return self.model.fingerprint if self.model else None
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -99,7 +71,8 @@ class ResolvedTarget:
         return (self.url,) if self.url else ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"fingerprint": self.fingerprint}
+        model = self.model.model_dump(mode="json") if self.model else None
+        return asdict(self) | {"model": model, "fingerprint": self.fingerprint}
 
 
 def api_client_from_environment(kubeconfig: str | None = None) -> tuple[k8s.ApiClient, str]:
@@ -164,7 +137,7 @@ def resolved_from(obj: dict[str, Any]) -> ResolvedTarget:
         generation=obj["metadata"].get("generation", 0),
         url=status.get("url"),
         endpoints=ready_endpoints(status),
-        model=ModelInfo.from_status(status.get("model") or {}),
+        model=ServedModel.model_validate(status["model"]) if status.get("model") else None,
     )
 
 
@@ -203,6 +176,20 @@ def resolve(
                 return found
         else:
             time.sleep(min(POLL_INTERVAL_S, remaining))
+
+
+def follow_resource(
+    name: str, namespace: str | None, wait: float, kubeconfig: str | None
+) -> tuple[ResolvedTarget, Callable[[], ResolvedTarget]]:
+    """Resolve the target now, and a function that re-reads it (no waiting) to pick up endpoint changes."""
+    api_client, default_namespace = api_client_from_environment(kubeconfig)
+    namespace = namespace or default_namespace
+    resolved = resolve(name, namespace, wait, api_client=api_client)
+
+    def refresh() -> ResolvedTarget:
+        return resolve(name, namespace, wait=0, api_client=api_client)
+
+    return resolved, refresh
 
 
 def _get(api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespace: str) -> dict[str, Any]:

@@ -9,27 +9,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from eagle3_target.contract import validate_aux_layer_ids
 from eagle3_target.formats import logits_from_hidden
+from eagle3_target.protocol import TargetInfo
 
-if TYPE_CHECKING:
-    from eagle3_target.client.target_client import TargetClient
+
+class RemoteTarget(Protocol):
+    """What the adapter needs of a client (`TargetClient` is one)."""
+
+    device: torch.device
+
+    def info(self) -> TargetInfo: ...
+
+    def supervise(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, format: str = ...
+    ) -> dict[str, Tensor]: ...
+
+    def weight(self, name: str) -> Tensor: ...
+
+    def close(self) -> None: ...
 
 
 class RemoteModel:
     """What NeMo reads off `runner.model`: `.config` sizes and a parameter that tells the device."""
 
-    def __init__(self, info: dict, device: torch.device) -> None:
+    def __init__(self, info: TargetInfo, device: torch.device) -> None:
         self.config = SimpleNamespace(
-            num_hidden_layers=info["num_hidden_layers"],
-            hidden_size=info["hidden_size"],
-            vocab_size=info["vocab_size"],
-            name_or_path=info.get("model"),
+            num_hidden_layers=info.num_hidden_layers,
+            hidden_size=info.hidden_size,
+            vocab_size=info.vocab_size,
+            name_or_path=info.model,
         )
         self._device_marker = torch.empty(0, device=device)
 
@@ -40,15 +54,15 @@ class RemoteModel:
 class RemoteTargetRunner:
     """`TargetRunner` over a `TargetClient`: full logits are rebuilt locally from the `hidden` format."""
 
-    def __init__(self, client: TargetClient) -> None:
+    def __init__(self, client: RemoteTarget) -> None:
         self.client = client
         self.model = RemoteModel(client.info(), client.device)
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
         """Check the request against what the server captures: a remote target cannot switch per client."""
         info = self.client.info()
-        requested = validate_aux_layer_ids(aux_layer_ids, info["num_hidden_layers"])
-        served = list(info["aux_layer_ids"])
+        requested = validate_aux_layer_ids(aux_layer_ids, info.num_hidden_layers)
+        served = list(info.aux_layer_ids)
         if requested != served:
             raise ValueError(
                 f"the target captures aux layers {served}, not {requested}; set spec.auxLayerIds on the "

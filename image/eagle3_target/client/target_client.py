@@ -22,11 +22,11 @@ from torch import Tensor
 from eagle3_target.client.endpoints import EndpointPool
 from eagle3_target.client.errors import FingerprintChanged, RequestRejected, ResolveError, TargetUnavailable
 from eagle3_target.client.prefetch import prefetch
-from eagle3_target.client.resolve import ResolvedTarget, api_client_from_environment, resolve
+from eagle3_target.client.resolve import ResolvedTarget, follow_resource
 from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
-from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES
+from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
 from eagle3_target.wire.tensors import decode, encode
 
 RETRYABLE_STATUS = (429, 503)
@@ -82,7 +82,7 @@ class TargetClient:
         self._last_refresh = time.monotonic()
         self._lock = threading.RLock()
         self._fingerprint: str | None = None
-        self._info: dict[str, Any] | None = None
+        self._info: TargetInfo | None = None
         self._weights: dict[str, Tensor] = {}
         self._vocabs: dict[str, VocabMapping] = {}
         if resolved is not None:
@@ -105,14 +105,14 @@ class TargetClient:
 
     # --- what the server knows -------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> TargetInfo:
         """GET /v1/info from some endpoint (cached): model, layers, sizes, aux ids, fingerprint."""
         with self._lock:
             if self._info is not None:
                 return self._info
         response = self._request("GET", "/v1/info")
-        info = response.json()
-        self._check_fingerprint(info.get("fingerprint"), str(response.url))
+        info = TargetInfo.model_validate_json(response.content)
+        self._check_fingerprint(info.fingerprint, str(response.url))
         with self._lock:
             self._info = info
         return info
@@ -182,7 +182,7 @@ class TargetClient:
         # Half-precision models' full logits come in the model dtype, as the in-process backend has them
         # (the server's default is fp32, which every other model dtype gets).
         takes_dtype = format in FORMATS and FORMATS[format].takes_dtype
-        model_dtype = self.info()["dtype"] if takes_dtype else None
+        model_dtype = self.info().dtype if takes_dtype else None
         dtype = model_dtype if model_dtype in LOGITS_DTYPES[1:] else None
         raw = self.supervise(
             input_ids,
@@ -351,17 +351,3 @@ def _retry_after_s(response: httpx.Response) -> float | None:
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-
-
-def follow_resource(
-    name: str, namespace: str | None, wait: float, kubeconfig: str | None
-) -> tuple[ResolvedTarget, Callable[[], ResolvedTarget]]:
-    """Resolve the target now, and a function that re-reads it (no waiting) to pick up endpoint changes."""
-    api_client, default_namespace = api_client_from_environment(kubeconfig)
-    namespace = namespace or default_namespace
-    resolved = resolve(name, namespace, wait, api_client=api_client)
-
-    def refresh() -> ResolvedTarget:
-        return resolve(name, namespace, wait=0, api_client=api_client)
-
-    return resolved, refresh

@@ -66,7 +66,7 @@ def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace,
     assert target.url == "http://tiny.ns.svc:4444"
     assert target.urls == target.endpoints
     assert target.fingerprint == "fp-123"
-    assert target.model.aux_layer_ids == (1, 3, 4)
+    assert target.model is not None and target.model.aux_layer_ids == [1, 3, 4]
     assert target.model.num_hidden_layers == 8
 
 

@@ -254,7 +254,7 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
 
     input_ids = token_batch(5)[0]
     tolerant.supervise(input_ids)
-    assert tolerant.info()["aux_layer_ids"] == [1, 3, 4]
+    assert tolerant.info().aux_layer_ids == [1, 3, 4]
     started_with = strict.fingerprint
     first.stop()
     spawn_server(tiny_llama_dir, "--aux-layer-ids", "0", "2", "5", port=port)
@@ -264,7 +264,7 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
     raw = tolerant.supervise(input_ids)
     assert raw["aux_hidden_states"].shape == (2, 16, 3 * 64)
     assert tolerant.fingerprint == changed.value.got
-    assert tolerant.info()["aux_layer_ids"] == [0, 2, 5]  # cached info was dropped with the old target
+    assert tolerant.info().aux_layer_ids == [0, 2, 5]  # cached info was dropped with the old target
     strict.close()
     tolerant.close()
 
@@ -274,7 +274,7 @@ def test_bearer_token_is_sent(llama_server):
         anonymous.info()
     assert rejected.value.status_code == 401
     with TargetClient(llama_server.url, token=TOKEN) as client:
-        assert client.info()["num_hidden_layers"] == 8
+        assert client.info().num_hidden_layers == 8
 
 
 def test_client_by_resource_name_follows_endpoint_changes(
