@@ -5,11 +5,13 @@
 2. `helm install` of the operator chart, watching one namespace,
 3. the operator, run as a local process with the chart's ServiceAccount credentials (no image can be built
    here), so it has exactly the chart's RBAC,
-4. a tiny random-weight model and `kubectl apply -f examples/quickstart.yaml`,
+4. a tiny random-weight model whose config is on the node but whose weights are still being copied, and
+   `kubectl apply -f examples/quickstart.yaml`,
 5. for every pod the Deployment gets, the pod's own `eagle3-target serve` command line run for real at the
    pod's IP (what the kubelet would do; kwok only pretends to run containers),
-6. `kubectl wait --for=condition=Ready`, then as a training job: resolve the target by name, pull supervision,
-   and print a report,
+6. the target's progress as its server reports it (waiting for the weights, then loading them), the weights
+   arriving, `kubectl wait --for=condition=Ready`, then as a training job: resolve the target by name, pull
+   supervision, and print a report,
 7. teardown of everything it started, also on Ctrl-C.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,7 @@ import kubernetes
 import torch
 from eagle3_operator import render
 from eagle3_target.client import TargetClient, resolve
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
 from tests.cluster import plane
@@ -116,6 +120,25 @@ class PodServers:
         return argv
 
 
+class ProgressNarration:
+    """Prints the target's Progressing message each time it changes: what `kubectl get e3t -w` would show."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+        self.seen: list[str] = []
+
+    def poll(self) -> str:
+        body = self.custom.get_namespaced_custom_object(GROUP, VERSION, TARGET_NAMESPACE, PLURAL, TARGET)
+        conditions = (body.get("status") or {}).get("conditions") or []
+        progressing = next((c for c in conditions if c["type"] == "Progressing"), None)
+        if progressing is not None and progressing["status"] == "True":
+            message = progressing["message"]
+            if not self.seen or self.seen[-1] != message:
+                self.seen.append(message)
+                print(f"    Progressing: {message}", flush=True)
+        return self.seen[-1] if self.seen else ""
+
+
 def report(cluster: Cluster) -> None:
     step(f"a training job resolves {TARGET!r} by name and pulls supervision")
     target = resolve(TARGET, TARGET_NAMESPACE, wait=60, kubeconfig=str(cluster.kubeconfig))
@@ -169,15 +192,23 @@ def main() -> None:
             venv_script("eagle3-operator"), "--namespace", TARGET_NAMESPACE,
             "--liveness", f"http://127.0.0.1:{liveness}/healthz",
             "--metrics-port", str(free_port()), "--metrics-address", "127.0.0.1",
+            "--reprobe-seconds", "2",  # a quick narration; the chart's default is 15
         ]  # fmt: skip
         env = {**os.environ, "KUBECONFIG": str(operator_kubeconfig), "NO_PROXY": "*"}
         operator = stack.enter_context(process(operator_argv, work / "operator.log", env))
         eventually(lambda: _answers(f"http://127.0.0.1:{liveness}/healthz", operator), "the operator", 60)
         print(f"    operator up (log {work / 'operator.log'})")
 
-        step("writing a tiny random-weight Llama-style model where the quickstart's hostPath points")
-        model_dir = write_tiny_model(Path("/tmp/eagle3-quickstart/tiny-llama"), arch="llama")
-        print(f"    {model_dir}")
+        step("a tiny random-weight Llama-style model: its config where the quickstart's hostPath points, its")
+        print("    weights still being copied (as from a slow volume)")
+        staged = write_tiny_model(work / "tiny-llama", arch="llama")
+        model_dir = Path("/tmp/eagle3-quickstart/tiny-llama")
+        shutil.rmtree(model_dir, ignore_errors=True)
+        model_dir.mkdir(parents=True)
+        weights = sorted(staged.glob("*.safetensors*"))
+        for file in sorted(set(staged.iterdir()) - set(weights)):
+            shutil.copy(file, model_dir)
+        print(f"    {model_dir}: {', '.join(sorted(f.name for f in model_dir.iterdir()))}")
 
         step(f"kubectl apply -f {QUICKSTART.relative_to(REPO)}")
         print(cluster.kubectl("apply", "-f", str(QUICKSTART), "-n", TARGET_NAMESPACE).stdout.strip())
@@ -186,12 +217,21 @@ def main() -> None:
         servers = PodServers(cluster, stack, work)
         eventually(lambda: (servers.sync(), servers.serving)[1], "the target's pods", 120)
 
+        step("the target's progress, as its server reports it while it waits for the weights")
+        narration = ProgressNarration(cluster)
+        eventually(
+            lambda: (servers.sync(), "waiting for weights" in narration.poll())[1], "the load's progress", 120
+        )
+        step("the weights arrive; the server loads them")
+        for file in weights:
+            shutil.copy(file, model_dir)
+
         step(f"kubectl wait --for=condition=Ready e3t/{TARGET}")
         waited = subprocess.Popen(
             [str(cluster.kubectl_path), "--kubeconfig", str(cluster.kubeconfig), "-n", TARGET_NAMESPACE,
              "wait", "--for=condition=Ready", f"e3t/{TARGET}", "--timeout=180s"],
         )  # fmt: skip
-        eventually(lambda: (servers.sync(), waited.poll() is not None)[1], "Ready", 200)
+        eventually(lambda: (servers.sync(), narration.poll(), waited.poll() is not None)[2], "Ready", 200)
         if waited.returncode != 0:
             raise SystemExit(f"the target did not become Ready; see {work}/operator.log and the server logs")
         print(cluster.kubectl("get", "e3t", "-n", TARGET_NAMESPACE, "-o", "wide").stdout)

@@ -15,6 +15,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node=fake"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+# A GPU node whose pods kwok does not run (kwok-stages.yaml's pod-ready stage skips it by this name): the
+# tests' kubelet (tests/eagle3_operator/harness.py) runs their server processes and reports their states.
+# Tainted, so that only pods which tolerate the taint (and pick the node) land there.
+KUBELET_NODE = "gpu-kubelet"
+KUBELET_NODE_INDEX = 99
+KUBELET_TAINT = {"key": "eagle3.dev/test-kubelet", "value": "true", "effect": "NoSchedule"}
 
 
 def gpu_node_name(index: int) -> str:
@@ -26,10 +32,10 @@ def gpu_node_pod_cidr(index: int) -> str:
     return f"127.{POD_NET}.{index + 1}.0/24"
 
 
-def gpu_node(index: int, gpus: int = 8) -> dict[str, object]:
+def gpu_node(index: int, gpus: int = 8, name: str | None = None) -> dict[str, object]:
     """A Node as a kubelet would register it: the API server keeps the status given at creation, and kwok's
     node-initialize stage keeps capacity and allocatable."""
-    name = gpu_node_name(index)
+    name = name or gpu_node_name(index)
     resources = {
         "cpu": "64",
         "memory": "512Gi",
@@ -57,6 +63,13 @@ def gpu_node(index: int, gpus: int = 8) -> dict[str, object]:
         "spec": {"podCIDR": gpu_node_pod_cidr(index), "podCIDRs": [gpu_node_pod_cidr(index)]},
         "status": {"capacity": resources, "allocatable": resources},
     }
+
+
+def kubelet_node() -> dict[str, object]:
+    """The node whose pods the tests' kubelet runs (see KUBELET_NODE)."""
+    node = gpu_node(KUBELET_NODE_INDEX, name=KUBELET_NODE)
+    node["spec"]["taints"] = [KUBELET_TAINT]  # type: ignore[index]
+    return node
 
 
 def create_gpu_nodes(api_client: kubernetes.client.ApiClient, count: int) -> list[str]:

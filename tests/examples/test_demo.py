@@ -24,6 +24,9 @@ def test_demo_runs_end_to_end_and_cleans_up():
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
+    # The narration shows the load's progress, as the server reports it, before the target is Ready.
+    progress = re.search(r"Progressing: .*quickstart-\S+: waiting for weights: no weights yet", output)
+    assert progress and progress.start() < output.index("condition met"), output[-4000:]
     assert "eagle3target.eagle3.dev/quickstart condition met" in output
     assert re.search(r"quickstart\s+True\s+AllReplicasReady\s+1/1\s+hf\s+tiny-llama", output), output[-4000:]
     assert re.search(r"endpoints:\s+http://127\.1\.\d+\.\d+:8000", output)
