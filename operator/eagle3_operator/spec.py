@@ -350,22 +350,20 @@ class Eagle3TargetSpec(_Model):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
-    @field_validator("env")
+    @field_validator("env", "volumes")
     @classmethod
-    def _env_names(cls, value: list[EnvVar]) -> list[EnvVar]:
-        _unique("name", [var.name for var in value])
-        taken = sorted({var.name for var in value} & OPERATOR_ENV)
+    def _names_clear_of_the_operators(
+        cls, value: list[EnvVar] | list[Volume], info: ValidationInfo
+    ) -> list[EnvVar] | list[Volume]:
+        names = [item.name for item in value]
+        _unique("name", names)
+        if info.field_name == "env":
+            reserved, why = OPERATOR_ENV, "set by the operator from the spec's own fields"
+        else:
+            reserved, why = OPERATOR_VOLUMES, "the operator's own volume names"
+        taken = sorted(set(names) & reserved)
         if taken:
-            raise ValueError(f"{', '.join(taken)}: set by the operator from the spec's own fields")
-        return value
-
-    @field_validator("volumes")
-    @classmethod
-    def _volume_names(cls, value: list[Volume]) -> list[Volume]:
-        _unique("name", [volume.name for volume in value])
-        taken = sorted({volume.name for volume in value} & OPERATOR_VOLUMES)
-        if taken:
-            raise ValueError(f"{', '.join(taken)}: the operator's own volume names")
+            raise ValueError(f"{', '.join(taken)}: {why}")
         return value
 
     @field_validator("volume_mounts")

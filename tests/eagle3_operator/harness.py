@@ -33,6 +33,27 @@ from tests.cluster.processes import kill_when_parent_dies, terminate
 from tests.cluster.waiting import LOOPBACK, eventually, free_port
 from tests.eagle3_target.server.server_process import serve_command
 
+# Every pod setting of the spec at once (the names exist where the tests create them: the RuntimeClass,
+# the ServiceAccount), for the rendering's dry run and the operator's round trip.
+POD_SETTINGS: dict[str, Any] = {
+    "env": [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ],
+    "volumes": [{"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}}],
+    "volumeMounts": [{"name": "compile-cache", "mountPath": "/cache"}],
+    "podMetadata": {"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"team": "ml"}},
+    "runtimeClassName": "e3t-test-runtime",
+    "serviceAccountName": "bucket-reader",
+    "schedulerName": "gang-scheduler",
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "shmSize": "32Gi",
+    "securityContext": {"platformAssignedIds": True},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+}
+
 # The operator tests wait longer by default: a reconcile may sit out a retry backoff first.
 wait_for = functools.partial(eventually, timeout=90.0, interval=0.3)
 

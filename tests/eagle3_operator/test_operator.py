@@ -17,7 +17,14 @@ from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 from tests.cluster import nodes
 from tests.cluster.access import Cluster
 from tests.eagle3_operator.conftest import AUTH_TOKEN
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
+from tests.eagle3_operator.harness import (
+    POD_SETTINGS,
+    OperatorProcess,
+    PodServing,
+    ServerFarm,
+    free_port,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -508,23 +515,6 @@ def test_token_protected_target_is_probed_with_its_secret(targets: Targets, auth
     assert status["model"]["name"] == "tiny-llama"
 
 
-POD_SETTINGS: dict[str, Any] = {
-    "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
-    "volumes": [{"name": "compile-cache", "emptyDir": {}}],
-    "volumeMounts": [{"name": "compile-cache", "mountPath": "/cache"}],
-    "podMetadata": {"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"team": "ml"}},
-    "runtimeClassName": "e3t-test-runtime",
-    "serviceAccountName": "bucket-reader",
-    "schedulerName": "gang-scheduler",
-    "topologySpreadConstraints": [
-        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
-    ],
-    "shmSize": "32Gi",
-    "securityContext": {"platformAssignedIds": True},
-    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
-}
-
-
 def _shaped(template: kubernetes.client.V1PodTemplateSpec) -> dict[str, Any]:
     """The parts of a pod template the pod settings reach."""
     pod, server = template.spec, template.spec.containers[0]
@@ -560,7 +550,7 @@ def _shape_and_unshape(targets: Targets) -> None:
 
     deployment = wait_for(lambda: targets.deployment("shaped"), "the Deployment")
     shaped = _shaped(deployment.spec.template)
-    assert shaped["env"] == ["HF_HUB_OFFLINE", "NCCL_DEBUG"]
+    assert shaped["env"] == ["HF_HUB_OFFLINE", "NCCL_DEBUG", "POD"]
     assert shaped["volumes"] == ["model", "dshm", "compile-cache"]
     assert "/cache" in shaped["mounts"]
     assert shaped["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"

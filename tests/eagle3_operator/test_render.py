@@ -14,34 +14,12 @@ from eagle3_operator.spec import Eagle3TargetSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.eagle3_operator.harness import POD_SETTINGS
+
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
 HF_SOURCE = {"huggingFace": {"repo": "org/tiny-model", "cacheClaimName": "hf-cache"}}
-# Every pod setting at once, for the server-side dry run.
-POD_SETTINGS: dict[str, Any] = {
-    "env": [
-        {"name": "NCCL_DEBUG", "value": "INFO"},
-        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-    ],
-    "volumes": [{"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}}],
-    "volumeMounts": [{"name": "compile-cache", "mountPath": "/home/eagle3/.cache"}],
-    "podMetadata": {"labels": {"kueue.x-k8s.io/queue-name": "gpus"}, "annotations": {"team": "ml"}},
-    "runtimeClassName": "nvidia",
-    "serviceAccountName": "bucket-reader",
-    "schedulerName": "volcano",
-    "topologySpreadConstraints": [
-        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
-    ],
-    "shmSize": "32Gi",
-    "securityContext": {"platformAssignedIds": True},
-    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
-    "networkPolicy": {
-        "enabled": True,
-        "allowedNamespaces": ["trainers"],
-        "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]},
-    },
-}
 
 
 def make_spec(source: dict[str, Any] | None = None, **fields: Any) -> Eagle3TargetSpec:
@@ -582,6 +560,11 @@ def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):
         auth={"tokenSecretRef": {"name": "token"}},
         affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
         **POD_SETTINGS,
+        networkPolicy={
+            "enabled": True,
+            "allowedNamespaces": ["trainers"],
+            "namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["ml"]}]},
+        },
     )
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
     neighbours = render.Neighbours(operator_namespace="eagle3-system", prometheus_namespace="monitoring")
