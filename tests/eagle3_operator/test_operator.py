@@ -727,3 +727,40 @@ def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets
     assert any(c.type == "Failed" and c.status == "True" for c in job.status.conditions)
     assert len(hydration_pods(targets)) == 1  # exit 2 is not retried
     assert targets.deployment("gated").spec.replicas == 0 and targets.pods("gated") == []
+
+
+def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targets: Targets):
+    """Moving to another cache claim (or revision) is a new download; the Deployment keeps its template and
+    pods until that download completes."""
+    volumes = [bind_claim(targets, "cache-a")]
+    try:
+        targets.create(hub_target("moving", "cache-a", replicas=2))
+        serving = wait_for(lambda: len(pods := targets.pods("moving")) == 2 and pods, "two pods on cache-a")
+
+        def claim() -> str:
+            template = targets.deployment("moving").spec.template.spec
+            return next(v for v in template.volumes if v.name == "model").persistent_volume_claim.claim_name
+
+        (first_job,) = hydration_jobs(targets)
+        source = {"huggingFace": {"repo": "org/tiny-llama", "cacheClaimName": "cache-b"}}
+        targets.patch_spec("moving", {"model": {"source": source}})
+        wait_for(
+            lambda: [j.metadata.name for j in hydration_jobs(targets)] not in ([], [first_job.metadata.name]),
+            "the new download's Job",
+        )
+
+        def held() -> dict | None:  # cache-b does not exist yet: its download cannot run
+            status = (targets.get("moving") or {}).get("status") or {}
+            return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
+
+        wait_for(held, "the new download reported stuck")
+        assert claim() == "cache-a" and targets.deployment("moving").spec.replicas == 2
+        assert sorted(p.metadata.name for p in targets.pods("moving")) == sorted(
+            p.metadata.name for p in serving
+        )
+
+        volumes.append(bind_claim(targets, "cache-b"))
+        wait_for(lambda: claim() == "cache-b", "the Deployment moved to cache-b once its download completed")
+    finally:
+        for volume in volumes:
+            targets.core.delete_persistent_volume(volume)
