@@ -3,8 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PIP := $(VENV)/bin/pip
+# The trainers the tests train with, installed without their own (conflicting) dependency pins.
+TRAINERS := requirements-trainers.txt
 # Re-install only when the dependency pins change.
-VENV_STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+VENV_STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(TRAINERS) | sha256sum | cut -c1-12)
 
 .PHONY: setup venv tools test lint demo cluster-up cluster-down bench clean
 
@@ -12,11 +14,12 @@ setup: venv tools
 
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml $(TRAINERS)
 	@echo "==> python environment ($(VENV)); the first install downloads torch (several GB, kept in pip's cache)"
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade --progress-bar off "pip==26.0.1"
 	$(PIP) install --progress-bar off -e ".[server,operator,client,dev]"
+	$(PIP) install --progress-bar off --no-deps -r $(TRAINERS)
 	@rm -f $(VENV)/.installed-* && touch $@
 
 tools:

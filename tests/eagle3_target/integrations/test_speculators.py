@@ -1,0 +1,202 @@
+"""speculators 0.9 (the real package) trains on a served target, online through the `eagle3-target`
+hidden-states backend and offline on `eagle3-target export speculators` files, exactly as on the files
+vLLM's hidden-states connector would have written (the reference: a plain transformers forward per row, the
+way vLLM captures; see reference.py).
+
+CPU shims, only here, for speculators lines that assume CUDA (speculators/train/trainer.py, train/cli.py):
+- `Trainer` moves model and batches with `.to(local_rank)` (an int: a CUDA device): `get_local_rank` -> "cpu";
+- its autocast device and the exit cleanup come from `torch.accelerator.current_accelerator()`, None on a
+  machine without one (then "cuda"): it answers the CPU, whose `empty_cache` is a no-op stub;
+- its step timer calls `torch.accelerator.synchronize()` / `is_available()`: no-ops.
+Flags that keep speculators off CUDA-only paths: `--draft-attn-impl sdpa`, `--loss-implementation eager`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import eagle3_target.integrations.speculators as backend  # registers the backend before speculators' CLI
+import pytest
+import torch
+from eagle3_target.client.target_client import TargetClient
+from eagle3_target.integrations.exporter import export
+from eagle3_target.integrations.layouts import SpeculatorsLayout
+from eagle3_target.integrations.rows import PreparedRows
+from transformers import AutoModelForCausalLM
+
+from tests.eagle3_target.integrations.reference import write_vllm_files
+
+TOTAL_SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def plain_model(bf16_model_dir):
+    return AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def files(bf16_server, rows, plain_model, tmp_path_factory) -> dict[str, Path]:
+    """`prepared`: speculators' own prepare-data output for the rows; `served`: exported from it by the
+    server (one unpadded row per request, as vLLM runs them); `reference`: vLLM-style capture files."""
+    from datasets import Dataset
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+
+    root = tmp_path_factory.mktemp("speculators")
+    prepared = build_speculator_training_dataset(
+        Dataset.from_list(rows), processor=None, max_length=64, num_proc=1
+    )
+    prepared.save_to_disk(str(root / "prepared"))
+    with TargetClient(bf16_server.url) as client:
+        export(
+            client,
+            PreparedRows(root / "prepared"),
+            SpeculatorsLayout(),
+            root / "served",
+            batch_tokens=48,
+            progress=False,
+        )
+    write_vllm_files(plain_model, rows, [2, 4, 5, 8], root / "reference")
+    return {
+        "prepared": root / "prepared",
+        "served": root / "served" / "hidden_states",
+        "reference": root / "reference" / "hidden_states",
+    }
+
+
+def plugin_args(url: str, **overrides) -> argparse.Namespace:
+    values = {
+        "eagle3_target": url,
+        "eagle3_target_namespace": None,
+        "eagle3_target_token_file": None,
+        "target_layer_ids": None,
+        "from_pretrained": None,
+    }
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def loader_batches(transfer, prepared: Path) -> list[dict]:
+    """speculators' own dataset and collator (with eagle3's shift_batch), 3 rows per packed batch."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    dataset = ArrowDataset(max_len=TOTAL_SEQ_LEN, datapath=prepared, transfer=transfer, on_missing="raise")
+    collate = CollateFn(TOTAL_SEQ_LEN, 64, preprocess=shift_batch)
+    return [collate([dataset[i] for i in range(start, start + 3)]) for start in range(0, len(dataset), 3)]
+
+
+def test_speculators_loader_builds_the_same_batches_from_files_and_online(files, bf16_server, plain_model):
+    from hs_connectors import FileTransfer
+
+    online = backend.Eagle3TargetBackend.from_train_args(plugin_args(bf16_server.url), str(files["prepared"]))
+    online = pickle.loads(pickle.dumps(online))  # as a spawned DataLoader worker gets it
+    reference = loader_batches(FileTransfer(files["reference"]), files["prepared"])
+    for transfer in (FileTransfer(files["served"]), online):
+        for got, want in zip(loader_batches(transfer, files["prepared"]), reference, strict=True):
+            assert sorted(got) == sorted(want)
+            for name, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+                    assert torch.equal(got[name], value), name
+                else:
+                    assert got[name] == value, name
+    assert pickle.loads(pickle.dumps(online))._client is None  # the client never travels to a worker
+    # Slot 4 is h_L before the final norm: speculators' verifier_norm turns it into the target's final state.
+    last = reference[0]["verifier_last_hidden_states"]
+    with torch.no_grad():
+        normed = plain_model.model.norm(last)
+    assert not torch.allclose(normed.float(), last.float(), atol=1e-2)
+
+
+def test_the_plugin_refuses_a_draft_whose_layers_are_not_the_targets(files, bf16_server, tmp_path):
+    prepared = str(files["prepared"])
+    with pytest.raises(ValueError, match="--target-layer-ids 2 4 5"):
+        backend.Eagle3TargetBackend.from_train_args(
+            plugin_args(bf16_server.url, target_layer_ids=[1, 3, 4]), prepared
+        )
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}))
+    with pytest.raises(ValueError, match=r"\[2, 4, 6\] are not the served target's"):
+        backend.Eagle3TargetBackend.from_train_args(
+            plugin_args(bf16_server.url, from_pretrained=str(tmp_path)), prepared
+        )
+    assert backend.Eagle3TargetBackend.from_train_args(
+        plugin_args(bf16_server.url, target_layer_ids=[2, 4, 5]), prepared
+    )
+    with pytest.raises(ValueError, match="needs --eagle3-target"):
+        backend.Eagle3TargetBackend.from_train_args(plugin_args(None), prepared)
+
+
+@pytest.fixture
+def cpu_shims(monkeypatch):
+    import speculators.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "get_local_rank", lambda: "cpu")
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cpu")
+    )
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)
+
+
+def train(argv: list[str], monkeypatch) -> list[dict]:
+    """Two optimizer steps and a validation pass of speculators' own training CLI; its logged metrics."""
+    import speculators.train.trainer as trainer
+
+    logged: list[dict] = []
+    metric_logger = trainer.metric_logger
+
+    def record(message, *args, **kwargs):
+        if isinstance(message, dict) and ("train" in message or "val" in message):  # not the run config
+            logged.append({k: v for k, v in message.items() if k != "profile"})
+        return logging.Logger.info(metric_logger, message, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.metric_logger, "info", record)
+    backend.main(argv)
+    return logged
+
+
+def test_two_speculators_training_steps_give_the_same_losses_online_offline_and_on_vllm_files(
+    files, bf16_model_dir, bf16_server, tmp_path, cpu_shims, monkeypatch
+):
+    def argv(name: str, *source: str) -> list[str]:
+        return [
+            "--speculator-type", "eagle3",
+            "--verifier-name-or-path", str(bf16_model_dir),
+            "--data-path", str(files["prepared"]),
+            "--save-path", str(tmp_path / name),
+            "--draft-attn-impl", "sdpa",
+            "--loss-implementation", "eager",
+            "--mask-token-id", "0",
+            "--total-seq-len", str(TOTAL_SEQ_LEN),
+            "--epochs", "1",
+            "--max-steps", "2",
+            "--log-freq", "1",
+            "--on-missing", "raise",
+            *source,
+        ]  # fmt: skip
+
+    reference = train(
+        argv("reference", "--num-workers", "0", "--hidden-states-path", str(files["reference"])), monkeypatch
+    )
+    served = train(
+        argv("served", "--num-workers", "0", "--hidden-states-path", str(files["served"])), monkeypatch
+    )
+    online_source = [
+        "--num-workers",
+        "1",
+        "--hidden-states-backend",
+        "eagle3-target",
+        "--eagle3-target",
+        bf16_server.url,
+    ]
+    online = train(argv("online", *online_source), monkeypatch)
+    steps = [entry for entry in reference if "train" in entry]
+    assert len(steps) == 2 and any("val" in entry for entry in reference)
+    assert steps[0]["train"]["loss"] != steps[1]["train"]["loss"]
+    assert all(step["train"]["loss"] > 0 for step in steps)
+    assert served == reference
+    assert online == reference
