@@ -287,6 +287,19 @@ def _wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     }
 
 
+def _placement_and_pulls(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    """What the server pods and the download pod share: the nodes they may run on (on clusters whose every
+    node is tainted for GPUs, the download needs the tolerations too) and the secrets to pull the image."""
+    shared: dict[str, Any] = {}
+    if spec.node_selector:
+        shared["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        shared["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        shared["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    return shared
+
+
 def _hydration_job_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
     image = spec.image or DEFAULT_IMAGE
     pod: dict[str, Any] = {
@@ -297,9 +310,8 @@ def _hydration_job_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": _pod_security(spec),
+        **_placement_and_pulls(spec),
     }
-    if spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
     labels = {LABEL_INSTANCE: _label_value(name), LABEL_COMPONENT: HYDRATION_COMPONENT, **MANAGED_LABELS}
     return {
         "backoffLimit": 4,
@@ -419,16 +431,11 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
     }
     if spec.model.source.hugging_face is not None:
         pod["initContainers"] = [_wait_container(spec, image)]
-    if spec.node_selector:
-        pod["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    pod |= _placement_and_pulls(spec)
     if spec.affinity:
         pod["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod["priorityClassName"] = spec.priority_class_name
-    if spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
     if spec.runtime_class_name:
         pod["runtimeClassName"] = spec.runtime_class_name
     if spec.service_account_name:

@@ -350,6 +350,24 @@ def test_hugging_face_source_is_downloaded_once_by_a_job_the_pods_wait_for():
     assert download["securityContext"] == server["securityContext"] == wait["securityContext"]
 
 
+def test_the_download_runs_where_the_targets_pods_may_and_pulls_like_them():
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spec = make_spec(
+        HF_SOURCE,
+        nodeSelector={"pool": "gpu"},
+        tolerations=[toleration],
+        imagePullSecrets=[{"name": "registry"}],
+        priorityClassName="high",
+        runtimeClassName="nvidia",
+    )
+    job_pod = job_of(spec)["spec"]["template"]["spec"]
+    assert job_pod["nodeSelector"] == {"pool": "gpu"} and job_pod["tolerations"] == [toleration]
+    assert job_pod["imagePullSecrets"] == [{"name": "registry"}]
+    # The server's GPU runtime and priority are the server's: the download needs neither.
+    assert "runtimeClassName" not in job_pod and "priorityClassName" not in job_pod
+    assert "nvidia.com/gpu" not in str(job_pod["containers"][0]["resources"])  # no GPU for a download
+
+
 def test_no_server_pod_is_asked_for_until_the_cache_is_hydrated():
     spec = make_spec(HF_SOURCE, replicas=3)
     pending = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=False, hydrated=False)
