@@ -80,6 +80,18 @@ def hydrate(
     typer.echo(f"{repo}@{revision}: {marker['files']} files, {marker['bytes']} bytes in {local_dir}")
 
 
+@app.command("wait-for-model")
+def wait_for_model(
+    local_dir: Annotated[Path, typer.Option(help="the snapshot directory `hydrate` fills")],
+    poll_seconds: Annotated[float, typer.Option(min=0.1, help="how often to look")] = 5.0,
+) -> None:
+    """Return once `hydrate` has marked the snapshot complete (the server pods' init container runs this)."""
+    from eagle3_target.hydrate import wait_until_hydrated
+
+    wait_until_hydrated(local_dir, poll_seconds, lambda line: typer.echo(line, err=True))
+    typer.echo(f"{local_dir} is complete")
+
+
 app.command("serve")(serve)
 app.command("resolve")(resolve_command)
 app.add_typer(export_app, name="export")

@@ -1,7 +1,7 @@
 """`eagle3-target hydrate`: fill a model cache directory from the Hugging Face Hub once, for every replica.
 
 The operator runs this as one Job per (repository, revision, cache claim), so replicas never download the
-same files into the shared cache at once. The completion marker (`protocol.HYDRATION_MARKER`) is written
+same files into the shared cache at once. The completion marker (HYDRATION_MARKER) is written
 last and atomically: a directory with the marker holds the whole snapshot, and server pods wait for it, so a
 half-downloaded model is never served. While the download runs, GET on `--progress-port` answers the files
 and bytes done (`protocol.HydrationProgress`); a failure ends with its reason in the termination message,
@@ -14,14 +14,18 @@ import errno
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from eagle3_target.protocol import HYDRATION_MARKER, HydrationProgress
+from eagle3_target.protocol import HydrationProgress
 
+# Written into the snapshot directory once every file is whole; `wait-for-model` (the server pods' init
+# container) returns only when it is there.
+HYDRATION_MARKER = ".eagle3-hydrated.json"
 EXIT_TRANSIENT = 1
 EXIT_PERMANENT = 2
 # Where huggingface_hub keeps partial downloads inside a local_dir.
@@ -46,6 +50,15 @@ def marker_path(local_dir: Path) -> Path:
 
 def is_hydrated(local_dir: Path) -> bool:
     return marker_path(local_dir).is_file()
+
+
+def wait_until_hydrated(local_dir: Path, poll_seconds: float, say: Callable[[str], None]) -> None:
+    """Block until the marker is there, saying once what it waits for."""
+    if is_hydrated(local_dir):
+        return
+    say(f"waiting for {marker_path(local_dir)} (the hydration Job writes it once the snapshot is whole)")
+    while not is_hydrated(local_dir):
+        time.sleep(poll_seconds)
 
 
 class ProgressTracker:

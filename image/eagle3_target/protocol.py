@@ -135,11 +135,6 @@ class LoadProgress(BaseModel):
     elapsed_seconds: float = 0.0
 
 
-# Written into a model cache directory by `eagle3-target hydrate` once the whole snapshot is there; the
-# operator's server pods start only when it exists.
-HYDRATION_MARKER = ".eagle3-hydrated.json"
-
-
 class HydrationProgress(BaseModel):
     """What a running `eagle3-target hydrate` answers on its progress port; None where not known yet."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
-from eagle3_target.protocol import API_VERSION, HYDRATION_MARKER, KIND
+from eagle3_target.protocol import API_VERSION, KIND
 
 from eagle3_operator.constants import (
     APP_NAME,
@@ -263,11 +263,6 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     }
 
 
-def hydration_marker(spec: Eagle3TargetSpec) -> str:
-    """The file whose presence says the cache directory holds the whole snapshot."""
-    return f"{_hf_model_dir(spec)}/{HYDRATION_MARKER}"
-
-
 def _wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     """Init container of every server pod: it holds the server back until the hydration Job has marked the
     download complete, so a half-downloaded model is never loaded."""
@@ -275,12 +270,7 @@ def _wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         "name": WAIT_CONTAINER,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "command": [
-            "sh",
-            "-c",
-            'until [ -f "$0" ]; do echo "waiting for $0 (the hydration Job)"; sleep 5; done',
-            hydration_marker(spec),
-        ],
+        "command": ["eagle3-target", "wait-for-model", "--local-dir", _hf_model_dir(spec)],
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
         "securityContext": _container_security(),

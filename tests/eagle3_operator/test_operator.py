@@ -688,7 +688,7 @@ def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targ
     assert len(hydration_pods(targets)) == 1  # one download for three replicas
     for pod in targets.pods("hydrated"):
         (wait,) = pod.spec.init_containers
-        assert wait.name == "wait-for-model" and wait.command[-1].endswith("/.eagle3-hydrated.json")
+        assert wait.name == "wait-for-model" and wait.command[:2] == ["eagle3-target", "wait-for-model"]
     assert targets.deployment("hydrated").spec.replicas == 3
 
 

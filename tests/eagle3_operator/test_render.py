@@ -345,7 +345,7 @@ def test_hugging_face_source_is_downloaded_once_by_a_job_the_pods_wait_for():
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [2]
     # The server pods only wait for the marker the Job writes last, reading the claim.
     (wait,) = pod["initContainers"]
-    assert wait["command"][-1] == f"{target_dir}/.eagle3-hydrated.json"
+    assert wait["command"] == ["eagle3-target", "wait-for-model", "--local-dir", target_dir]
     assert all(m.get("readOnly") for c in (wait, server) for m in c["volumeMounts"] if m["name"] == "model")
     assert download["securityContext"] == server["securityContext"] == wait["securityContext"]
 

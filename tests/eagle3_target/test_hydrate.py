@@ -16,8 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from eagle3_target.hydrate import EXIT_PERMANENT, HydrationFailed, ProgressTracker, hydrate, serve_progress
-from eagle3_target.protocol import HYDRATION_MARKER, HydrationProgress
+from eagle3_target.hydrate import (
+    EXIT_PERMANENT,
+    HYDRATION_MARKER,
+    HydrationFailed,
+    ProgressTracker,
+    hydrate,
+    serve_progress,
+)
+from eagle3_target.protocol import HydrationProgress
 from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
 from huggingface_hub.file_download import DryRunFileInfo
 
@@ -115,6 +122,24 @@ def test_progress_counts_whole_files_and_partial_bytes(tmp_path: Path):
     finally:
         server.shutdown()
     assert answer == {"filesDone": 1, "filesTotal": 2, "bytesDone": 310, "bytesTotal": 1010}
+
+
+def test_the_server_pods_wait_until_the_marker_is_there(tmp_path: Path):
+    """`eagle3-target wait-for-model` as the init container runs it: blocked without the marker, then done."""
+    waiting = subprocess.Popen(
+        [*serve_command(), "wait-for-model", "--local-dir", str(tmp_path), "--poll-seconds", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=5)  # a half-filled directory (no marker) keeps it waiting
+        hydrate("org/tiny", "main", tmp_path, excludes=[], download=FakeHub())
+        assert waiting.wait(timeout=30) == 0
+    finally:
+        waiting.kill()
+    assert f"waiting for {tmp_path / HYDRATION_MARKER}" in waiting.stderr.read()
 
 
 def test_the_command_reports_an_unreachable_hub_in_the_termination_log(tmp_path: Path):
