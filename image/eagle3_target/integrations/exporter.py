@@ -32,8 +32,9 @@ from tqdm import tqdm
 from eagle3_target.client.errors import RequestRejected
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.target_client import TargetClient
-from eagle3_target.integrations.layouts import Info, Layout
+from eagle3_target.integrations.layouts import Layout
 from eagle3_target.integrations.rows import Row, RowSource
+from eagle3_target.protocol import TargetInfo
 
 MANIFEST = "eagle3-target-export.json"
 LOCK = ".eagle3-target-export.lock"
@@ -73,18 +74,18 @@ class ExportSummary:
         )
 
 
-def row_limit(info: Info, batch_tokens: int) -> int:
+def row_limit(info: TargetInfo, batch_tokens: int) -> int:
     """The longest row the target takes in one request."""
-    return min(int(info["max_model_len"]), batch_tokens)
+    return min(info.max_model_len, batch_tokens)
 
 
-def check_lengths(lengths: Sequence[int], limit: int, info: Info) -> None:
+def check_lengths(lengths: Sequence[int], limit: int, info: TargetInfo) -> None:
     too_long = [i for i, n in enumerate(lengths) if n > limit]
     if too_long:
         shown = ", ".join(f"row {i} ({lengths[i]} tokens)" for i in too_long[:5])
         raise ExportError(
             f"{len(too_long)} rows are longer than the target accepts ({limit} tokens: max_model_len "
-            f"{info['max_model_len']}, max_batch_tokens {info['max_batch_tokens']}): {shown}; "
+            f"{info.max_model_len}, max_batch_tokens {info.max_batch_tokens}): {shown}; "
             "truncate or drop them"
         )
 
@@ -167,9 +168,13 @@ def sweep_partials(out_dir: Path) -> int:
     return swept
 
 
-def pin_manifest(out_dir: Path, layout: Layout, info: Info, data: str) -> None:
+def pin_manifest(out_dir: Path, layout: Layout, info: TargetInfo, data: str) -> None:
     """Record what the files are; refuse a directory that holds another target's or trainer's files."""
-    wanted = {"layout": layout.name, "format": layout.format, "target": {k: info.get(k) for k in PINNED_INFO}}
+    wanted = {
+        "layout": layout.name,
+        "format": layout.format,
+        "target": info.model_dump(include=set(PINNED_INFO)),
+    }
     path = out_dir / MANIFEST
     if path.exists():
         existing = json.loads(path.read_text())
@@ -202,7 +207,7 @@ def export(
     started = time.monotonic()
     info = client.info()
     layout.check(info)
-    server_max = int(info["max_batch_tokens"])
+    server_max = info.max_batch_tokens
     batch_tokens = server_max if batch_tokens is None else min(batch_tokens, server_max)
     lengths = source.scan()
     check_lengths(lengths, row_limit(info, batch_tokens), info)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import BinaryIO, Protocol
 
 import torch
 from safetensors.torch import save
@@ -25,8 +25,7 @@ from torch import Tensor
 
 from eagle3_target.contract import NUM_AUX_LAYERS
 from eagle3_target.integrations.rows import Row
-
-Info = Mapping[str, Any]
+from eagle3_target.protocol import TargetInfo
 
 
 class LayoutMismatch(ValueError):
@@ -39,7 +38,7 @@ class Layout(Protocol):
     name: str
     format: str  # the /v1/supervision format the files are built from
 
-    def check(self, info: Info) -> None:
+    def check(self, info: TargetInfo) -> None:
         """Raise LayoutMismatch unless the target (its /v1/info) suits this trainer."""
         ...
 
@@ -47,7 +46,7 @@ class Layout(Protocol):
         """Where row `index`'s file goes, under the output directory."""
         ...
 
-    def write(self, row: Row, supervision: Mapping[str, Tensor], info: Info, file: BinaryIO) -> None:
+    def write(self, row: Row, supervision: Mapping[str, Tensor], info: TargetInfo, file: BinaryIO) -> None:
         """Write row's file from its supervision (trimmed to the row: [S, ...], unshifted)."""
         ...
 
@@ -76,19 +75,19 @@ class SpeculatorsLayout:
     name = "speculators"
     format = "hidden_prenorm"
 
-    def check(self, info: Info) -> None:
-        if len(info["aux_layer_ids"]) != NUM_AUX_LAYERS:
-            raise LayoutMismatch(f"speculators needs 3 aux layers, the target has {info['aux_layer_ids']}")
+    def check(self, info: TargetInfo) -> None:
+        if len(info.aux_layer_ids) != NUM_AUX_LAYERS:
+            raise LayoutMismatch(f"speculators needs 3 aux layers, the target has {info.aux_layer_ids}")
 
     def relative_path(self, index: int) -> Path:
         return Path("hidden_states") / f"hs_{index}.safetensors"
 
-    def write(self, row: Row, supervision: Mapping[str, Tensor], info: Info, file: BinaryIO) -> None:
+    def write(self, row: Row, supervision: Mapping[str, Tensor], info: TargetInfo, file: BinaryIO) -> None:
         sample = speculators_sample(
             supervision["aux_hidden_states"],
             supervision["final_hidden_prenorm"],
             row.input_ids,
-            info["aux_layer_ids"],
+            info.aux_layer_ids,
         )
         file.write(save(sample))
 
@@ -124,19 +123,17 @@ class SpecForgeLayout:
         self._aux_layer_ids = aux_layer_ids
         self._draft_config = draft_config
 
-    def check(self, info: Info) -> None:
-        if info["dtype"] != SPECFORGE_DTYPE:
+    def check(self, info: TargetInfo) -> None:
+        if info.dtype != SPECFORGE_DTYPE:
             raise LayoutMismatch(
                 f"SpecForge trains on bf16 features (its TargetHead is bf16) but the target runs in "
-                f"{info['dtype']}: serve it with --dtype bfloat16"
+                f"{info.dtype}: serve it with --dtype bfloat16"
             )
-        expected = specforge_aux_layer_ids(
-            int(info["num_hidden_layers"]), self._aux_layer_ids, self._draft_config
-        )
-        if list(info["aux_layer_ids"]) != expected:
+        expected = specforge_aux_layer_ids(info.num_hidden_layers, self._aux_layer_ids, self._draft_config)
+        if info.aux_layer_ids != expected:
             raise LayoutMismatch(
                 f"SpecForge will read these features as aux layers {expected}, but the target captures "
-                f"{list(info['aux_layer_ids'])}: set the target's auxLayerIds to {expected}, or tell "
+                f"{info.aux_layer_ids}: set the target's auxLayerIds to {expected}, or tell "
                 "SpecForge (model.aux_hidden_state_layer_ids) and this exporter (--aux-layer-ids) the "
                 "target's ids"
             )
@@ -145,7 +142,7 @@ class SpecForgeLayout:
         group = index // SPECFORGE_GROUP_ROWS * SPECFORGE_GROUP_ROWS
         return Path(f"rows_{group}-{group + SPECFORGE_GROUP_ROWS}") / f"data_{index}.ckpt"
 
-    def write(self, row: Row, supervision: Mapping[str, Tensor], info: Info, file: BinaryIO) -> None:
+    def write(self, row: Row, supervision: Mapping[str, Tensor], info: TargetInfo, file: BinaryIO) -> None:
         # clone(): torch.save writes a view's whole storage, here the whole request's batch.
         record = {
             "input_ids": row.input_ids.clone(),

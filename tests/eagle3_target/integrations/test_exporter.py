@@ -236,9 +236,10 @@ def test_specforge_refuses_a_target_it_would_misread(bf16_server, rows_jsonl, tm
         "5",
     )
     assert "aux layers [0, 2, 5]" in output and "captures [1, 3, 4]" in output
-    info = {"dtype": "float32", "num_hidden_layers": 8, "aux_layer_ids": [1, 3, 4]}
+    with TargetClient(bf16_server.url) as client:
+        served = client.info()
     with pytest.raises(LayoutMismatch, match="--dtype bfloat16"):
-        SpecForgeLayout().check(info)
+        SpecForgeLayout().check(served.model_copy(update={"dtype": "float32"}))
 
 
 def test_specforge_aux_layer_ids_follow_specforges_own_precedence(tmp_path):

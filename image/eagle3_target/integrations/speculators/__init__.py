@@ -26,6 +26,7 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from eagle3_target.client.target_client import TargetClient
 from eagle3_target.integrations.connect import connect
 from eagle3_target.integrations.layouts import speculators_layer_ids, speculators_sample
+from eagle3_target.protocol import TargetInfo
 
 BACKEND = "eagle3-target"
 
@@ -46,14 +47,14 @@ def draft_layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[in
     return [2, num_hidden_layers // 2, num_hidden_layers - 3]
 
 
-def check_layer_ids(draft_ids: list[int], info: dict[str, Any]) -> None:
+def check_layer_ids(draft_ids: list[int], info: TargetInfo) -> None:
     """The draft's layer ids must be the target's aux ids + 1 (vLLM capture ids), or it trains on one set of
     layers and is deployed reading another."""
-    expected = speculators_layer_ids(info["aux_layer_ids"])
+    expected = speculators_layer_ids(info.aux_layer_ids)
     if draft_ids != expected:
         raise ValueError(
             f"the draft's target layer ids {draft_ids} are not the served target's: it captures aux layers "
-            f"{info['aux_layer_ids']}, which are vLLM capture ids {expected}; pass --target-layer-ids "
+            f"{info.aux_layer_ids}, which are vLLM capture ids {expected}; pass --target-layer-ids "
             f"{' '.join(map(str, expected))} (or serve the target with auxLayerIds "
             f"{[i - 1 for i in draft_ids]})"
         )
@@ -63,11 +64,11 @@ class Eagle3TargetTransfer(HiddenStatesTransfer):
     """Row i's hidden states from the served target. Picklable: each DataLoader worker process opens its own
     client and dataset on first use, and checks it reaches the same model (fingerprint) as the trainer."""
 
-    def __init__(self, connection: dict[str, Any], data_path: str, info: dict[str, Any]) -> None:
+    def __init__(self, connection: dict[str, Any], data_path: str, info: TargetInfo) -> None:
         self.connection = connection
         self.data_path = data_path
-        self.aux_layer_ids = list(info["aux_layer_ids"])
-        self.fingerprint = info["fingerprint"]
+        self.aux_layer_ids = list(info.aux_layer_ids)
+        self.fingerprint = info.fingerprint
         self._pid: int | None = None
         self._client: TargetClient | None = None
         self._data: Any = None
@@ -81,7 +82,7 @@ class Eagle3TargetTransfer(HiddenStatesTransfer):
         from datasets import load_from_disk
 
         client = connect(**self.connection)
-        fingerprint = client.info()["fingerprint"]
+        fingerprint = client.info().fingerprint
         if fingerprint != self.fingerprint:
             client.close()
             raise RuntimeError(
@@ -140,7 +141,7 @@ class Eagle3TargetBackend(HiddenStatesBackend):
         }
         with connect(**connection) as client:
             info = client.info()
-        check_layer_ids(draft_layer_ids(args, int(info["num_hidden_layers"])), info)
+        check_layer_ids(draft_layer_ids(args, info.num_hidden_layers), info)
         return Eagle3TargetTransfer(connection, data_path, info)
 
     @staticmethod
