@@ -133,9 +133,13 @@ def train(features: Path, model_dir: Path, out: Path, capsys) -> list[dict[str, 
             "target_model_path": str(model_dir),
             "draft_model_config": str(out / "draft.json"),
             "torch_dtype": "bfloat16",
-            "cache_dir": str(out / "cache"),
         },
-        "data": {"hidden_states_path": str(features), "max_length": MAX_LEN, "dataloader_num_workers": 0},
+        "data": {
+            "hidden_states_path": str(features),
+            "max_length": MAX_LEN,
+            "dataloader_num_workers": 0,
+            "cache_dir": str(out / "cache"),  # its vocab mapping cache, else ./cache
+        },
         "training": {
             "strategy": "eagle3",
             "max_steps": 2,
