@@ -261,7 +261,9 @@ class Reconciler:
         lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
         if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
             memory.superseded.clear()
-        previous = memory.written_status if lagging else dict(snapshot.status)
+        previous = (
+            memory.written_status if lagging and memory.written_status is not None else dict(snapshot.status)
+        )
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)
         if patch:
@@ -354,9 +356,9 @@ class Reconciler:
         token = await self._token(namespace, spec)
         if spec.external:
             url = service_url(name, namespace, spec)
-            probes = {} if spec.suspend else await self._prober.probe_many({url: url}, token)
-            _count(probes)
-            return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
+            external = {} if spec.suspend else await self._prober.probe_many({url: url}, token)
+            _count(external)
+            return Observation(generation=snapshot.generation, spec=spec, url=url, probes=external)
         deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
         pods = [pod for pod in self._pods_of(key) if not pod.hydration]
@@ -380,7 +382,7 @@ class Reconciler:
         job_name = hydration_job_name(key[1], spec)
         if job_name is None:
             return None
-        source = spec.model.source.hugging_face
+        source = spec.hugging_face
         described = f"{source.repo}@{hf_revision(spec)} into claim {source.cache_claim_name}"
         job = next(
             (c.job for c in self._owned_children(key) if c.job is not None and c.job.name == job_name), None

@@ -144,30 +144,28 @@ def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:
 
 def hf_revision(spec: Eagle3TargetSpec) -> str:
     """The revision a huggingFace source downloads: its own, else the model's, else main."""
-    source = spec.model.source.hugging_face
-    return source.revision or spec.model.revision or "main"
+    return spec.hugging_face.revision or spec.managed_model.revision or "main"
 
 
 def _hf_model_dir(spec: Eagle3TargetSpec) -> str:
     """Where the download lands in the cache PVC: one directory per repo and revision, so they never mix."""
-    source = spec.model.source.hugging_face
-    return f"{MODEL_MOUNT}/huggingface/{source.repo}/{hf_revision(spec).replace('/', '--')}"
+    return f"{MODEL_MOUNT}/huggingface/{spec.hugging_face.repo}/{hf_revision(spec).replace('/', '--')}"
 
 
 def model_path(spec: Eagle3TargetSpec) -> str:
     """The `--model` path inside the server container."""
-    if spec.model.source.hugging_face is not None:
+    if spec.source.hugging_face is not None:
         return _hf_model_dir(spec)
     return MODEL_MOUNT
 
 
 def server_args(spec: Eagle3TargetSpec) -> list[str]:
     """The `eagle3-target serve` command line the spec asks for."""
-    model = spec.model
+    model = spec.managed_model
     args = ["eagle3-target", "serve", "--model", model_path(spec), "--engine", spec.engine]
     args += ["--host", "0.0.0.0", "--port", str(spec.port), "--model-name", model.name]
     args += ["--metrics-port", str(spec.monitoring.metrics_port)]
-    revision = hf_revision(spec) if model.source.hugging_face is not None else model.revision
+    revision = hf_revision(spec) if spec.source.hugging_face is not None else model.revision
     if revision is not None:
         args += ["--revision", revision]
     if model.dtype is not None:
@@ -216,7 +214,7 @@ def _container_security() -> dict[str, Any]:
 
 def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model volume and the server's read-only mount of it, per source."""
-    source = spec.model.source
+    source = spec.source
     mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     if source.pvc is not None:
         claim = {"claimName": source.pvc.claim_name, "readOnly": True}
@@ -226,7 +224,7 @@ def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any
     elif source.host_path is not None:
         volume = {"name": "model", "hostPath": {"path": source.host_path.path, "type": "Directory"}}
     else:
-        claim = {"claimName": source.hugging_face.cache_claim_name}
+        claim = {"claimName": spec.hugging_face.cache_claim_name}
         volume = {"name": "model", "persistentVolumeClaim": claim}
     return volume, mount
 
@@ -234,7 +232,7 @@ def _model_volume(spec: Eagle3TargetSpec) -> tuple[dict[str, Any], dict[str, Any
 def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     """The hydration Job's container: `eagle3-target hydrate` fills the cache claim from the Hub, keeping
     files already there, and marks the directory complete only once every file is whole."""
-    source = spec.model.source.hugging_face
+    source = spec.hugging_face
     env = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
@@ -419,7 +417,7 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
         "enableServiceLinks": False,
         "securityContext": _pod_security(spec),
     }
-    if spec.model.source.hugging_face is not None:
+    if spec.source.hugging_face is not None:
         pod["initContainers"] = [_wait_container(spec, image)]
     pod |= _placement_and_pulls(spec)
     if spec.affinity:

@@ -350,6 +350,28 @@ class Eagle3TargetSpec(_Model):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
+    @property
+    def managed_model(self) -> ModelSpec:
+        """The model of a target the operator runs; the validator gives every non-external target a source."""
+        if self.model is None or self.model.source is None:
+            raise ValueError("an external target (endpoint.url) has no model for the operator to run")
+        return self.model
+
+    @property
+    def source(self) -> ModelSource:
+        """Where a managed target's model comes from (see `managed_model`)."""
+        source = self.managed_model.source
+        assert source is not None  # managed_model checked it
+        return source
+
+    @property
+    def hugging_face(self) -> HuggingFaceSource:
+        """The huggingFace source of a managed target that downloads its model."""
+        source = self.source.hugging_face
+        if source is None:
+            raise ValueError("the model source is not huggingFace")
+        return source
+
     @field_validator("env", "volumes")
     @classmethod
     def _names_clear_of_the_operators(
