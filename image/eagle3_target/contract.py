@@ -95,6 +95,7 @@ class Eagle3TargetBatch:
         if self.logits is not None:
             inputs["target_logits"] = self.logits
         else:
+            assert self.target_probs is not None and self.position_mask is not None  # see __post_init__
             inputs["target_probs"] = self.target_probs
             inputs["position_mask"] = self.position_mask
         return inputs

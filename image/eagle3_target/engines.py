@@ -25,7 +25,7 @@ def _load_hf(model_path: str | os.PathLike[str], **kwargs: Any) -> TargetRunner:
 def _load_vllm(model_path: str | os.PathLike[str], **kwargs: Any) -> TargetRunner:
     from eagle3_target.runners.vllm import VLLMRunner
 
-    return VLLMRunner.from_pretrained(model_path, **kwargs)
+    return VLLMRunner.from_pretrained(os.fspath(model_path), **kwargs)
 
 
 def _no_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> None:

@@ -110,22 +110,30 @@ def hydrate(
     """
     if is_hydrated(local_dir):
         return json.loads(marker_path(local_dir).read_text())
+    fetch: Download
     if download is None:
         from huggingface_hub import snapshot_download
 
-        download = snapshot_download
+        fetch = snapshot_download
+    else:
+        fetch = download
     tracker = tracker or ProgressTracker(local_dir)
     where = f"{repo}@{revision}"
-    options = {"revision": revision, "local_dir": local_dir, "ignore_patterns": excludes or None}
+    options: dict[str, Any] = {
+        "revision": revision,
+        "local_dir": local_dir,
+        "ignore_patterns": excludes or None,
+    }
     try:
-        planned = download(repo, dry_run=True, **options)
+        planned = fetch(repo, dry_run=True, **options)
         tracker.plan((info.filename, info.file_size) for info in planned)
-        download(repo, **options)
+        fetch(repo, **options)
     except Exception as error:  # The Hub's errors, the network's and the disk's: each named for the user.
         raise _failure(where, error) from error
     progress = tracker.measure()
-    if progress.files_done != progress.files_total:
-        missing = progress.files_total - progress.files_done
+    done, total = progress.files_done or 0, progress.files_total or 0  # both set once a plan exists
+    if done != total:
+        missing = total - done
         raise HydrationFailed(f"{where}: {missing} files missing or of the wrong size after download", 1)
     marker = {
         "repo": repo,

@@ -77,9 +77,10 @@ class ChildKind:
     watched: bool = True
 
     @property
-    def selector(self) -> tuple[str, ...]:
+    def selector(self) -> tuple[str, str] | tuple[str, str, str]:
         """kopf's resource selector: (group, version, plural), or (version, plural) for the core group."""
-        return (*self.api_version.split("/"), self.plural)
+        group, _, version = self.api_version.rpartition("/")
+        return (group, version, self.plural) if group else (version, self.plural)
 
 
 # prometheus-operator's API, served only where its CRDs are installed.
@@ -94,4 +95,4 @@ CHILD_KINDS = (
 )
 WATCHED_CHILD_KINDS = tuple(child for child in CHILD_KINDS if child.watched)
 # The targets' pods are watched too (selected by the same label), though the Deployments own them.
-POD_SELECTOR = ("v1", "pods")
+POD_SELECTOR: tuple[str, str] = ("v1", "pods")

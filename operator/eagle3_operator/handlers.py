@@ -82,9 +82,15 @@ async def known_targets(memo: kopf.Memo, **_: Any) -> int:
     return memo.runtime.reconciler.known_targets
 
 
+def _key(namespace: str | None, name: str) -> TargetKey:
+    """Targets, their children and pods are namespaced, so kopf always passes a namespace for them."""
+    assert namespace is not None
+    return namespace, name
+
+
 @kopf.index(GROUP, VERSION, PLURAL, registry=registry)
 async def target_index(
-    namespace: str, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any
+    namespace: str | None, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any
 ) -> dict[TargetKey, Any]:
     snapshot = TargetSnapshot(
         uid=meta["uid"],
@@ -94,27 +100,32 @@ async def target_index(
         status=copy.deepcopy(dict(body.get("status") or {})),
         deleting=meta.get("deletionTimestamp") is not None,
     )
-    return {(namespace, name): snapshot}
+    return {_key(namespace, name): snapshot}
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-async def target_changed(namespace: str, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def target_changed(
+    namespace: str | None, name: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+) -> None:
     reconciler: Reconciler = memo.runtime.reconciler
-    if not reconciler.is_own_write((namespace, name), meta.get("resourceVersion", "")):
-        reconciler.request((namespace, name))
+    key = _key(namespace, name)
+    if not reconciler.is_own_write(key, meta.get("resourceVersion", "")):
+        reconciler.request(key)
 
 
 @kopf.index(*POD_SELECTOR, labels=MANAGED_LABELS, registry=registry)
-async def pod_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+async def pod_index(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[TargetKey, Any]:
     instance = labels.get(LABEL_INSTANCE)
-    return {(namespace, instance): pod_view(body)} if instance else {}
+    return {_key(namespace, instance): pod_view(body)} if instance else {}
 
 
 @kopf.on.event(*POD_SELECTOR, labels=MANAGED_LABELS, registry=registry)
-async def pod_changed(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     instance = labels.get(LABEL_INSTANCE)
     if instance:
-        memo.runtime.reconciler.request_instance(namespace, instance)
+        memo.runtime.reconciler.request_instance(*_key(namespace, instance))
 
 
 def _owner(meta: kopf.Meta) -> tuple[str, str] | None:
@@ -129,7 +140,9 @@ def _owner(meta: kopf.Meta) -> tuple[str, str] | None:
     return None
 
 
-async def child_index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any) -> dict[TargetKey, Any]:
+async def child_index(
+    namespace: str | None, meta: kopf.Meta, body: kopf.Body, **_: Any
+) -> dict[TargetKey, Any]:
     """The index of one child kind (registered once per kind below): owned objects, by their target."""
     owner = _owner(meta)
     if owner is None:
@@ -146,13 +159,13 @@ async def child_index(namespace: str, meta: kopf.Meta, body: kopf.Body, **_: Any
         deployment=deployment_view(raw) if raw["kind"] == "Deployment" else None,
         job=job_view(raw) if raw["kind"] == "Job" else None,
     )
-    return {(namespace, owner[0]): state}
+    return {_key(namespace, owner[0]): state}
 
 
-async def child_changed(namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def child_changed(namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     owner = _owner(meta)
     if owner is not None:
-        memo.runtime.reconciler.request((namespace, owner[0]))
+        memo.runtime.reconciler.request(_key(namespace, owner[0]))
 
 
 # The same index and change trigger for every child kind; kopf tells them apart by id.

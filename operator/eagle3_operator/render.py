@@ -233,7 +233,7 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     """The hydration Job's container: `eagle3-target hydrate` fills the cache claim from the Hub, keeping
     files already there, and marks the directory complete only once every file is whole."""
     source = spec.hugging_face
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]

@@ -239,9 +239,10 @@ def hydration_state(
         said = next((p.failure for p in pods if p.finished and p.failure is not None), None)
         failure = Failure("ModelDownloadFailed", said.message) if said is not None else job.failure
         return Hydration(source, complete=False, failure=failure)
-    stuck = next((p for p in pods if not p.finished and p.failure is not None), None)
+    stuck = next(((p, p.failure) for p in pods if not p.finished and p.failure is not None), None)
     if stuck is not None:
-        failure = Failure(stuck.failure.reason, f"hydration pod {stuck.name}: {stuck.failure.message}")
+        pod, why = stuck
+        failure = Failure(why.reason, f"hydration pod {pod.name}: {why.message}")
         return Hydration(source, complete=False, failure=failure)
     return Hydration(source, complete=False, progress=progress)
 
@@ -395,7 +396,7 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> _State:
         "readyReplicas": int(ready),
         "updatedReplicas": 1,
         "readyDesired": f"{int(ready)}/1",
-        "model": probe.info.to_status() if ready and probe.info else None,
+        "model": probe.info.to_status() if ready and probe is not None and probe.info else None,
     }
     if spec.suspend:
         return _State(
@@ -586,7 +587,7 @@ def _condition(
     previous: Mapping[str, Any],
     now: datetime,
 ) -> dict[str, Any]:
-    old = next((c for c in previous.get("conditions") or [] if c.get("type") == kind), {})
+    old: Mapping[str, Any] = next((c for c in previous.get("conditions") or [] if c.get("type") == kind), {})
     moved = old.get("status") != status or not old.get("lastTransitionTime")
     return {
         "type": kind,

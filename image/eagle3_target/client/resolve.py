@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -194,8 +194,12 @@ def follow_resource(
 
 def _get(api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespace: str) -> dict[str, Any]:
     try:
-        return api.get_namespaced_custom_object(
-            resource.group, resource.version, namespace, resource.plural, name
+        # The API answers with the object's JSON; the client types it as `object`.
+        return cast(
+            dict[str, Any],
+            api.get_namespaced_custom_object(
+                resource.group, resource.version, namespace, resource.plural, name
+            ),
         )
     except ApiException as exc:
         raise _classify(api, resource, name, namespace, exc) from exc
@@ -240,7 +244,7 @@ def _api_served(api: k8s.CustomObjectsApi, resource: TargetResource) -> bool:
 
 def _api_message(exc: ApiException) -> str:
     try:
-        return json.loads(exc.body).get("message", exc.reason)
+        return json.loads(exc.body or "").get("message", exc.reason)
     except (TypeError, ValueError):
         return str(exc.reason)
 

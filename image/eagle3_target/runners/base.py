@@ -35,8 +35,12 @@ class ForwardHiddenUnsupported(ValueError):
 class TargetRunner(Protocol):
     """A frozen target LLM that returns EAGLE-3 captures. All outputs are unshifted (position-aligned)."""
 
-    model: Any  # exposes .config (num_hidden_layers, hidden_size, vocab_size) and .parameters()
-    aux_layer_ids: list[int]
+    @property
+    def model(self) -> Any:
+        """Exposes .config (num_hidden_layers, hidden_size, vocab_size) and .parameters()."""
+
+    @property
+    def aux_layer_ids(self) -> list[int]: ...
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
         """Select the 3 decoder layers to capture (HF ids: output of decoder layer i)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,9 @@ from eagle3_target.runners.base import (
     parse_dtype,
     text_config,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _first_attr(owner: nn.Module, names: Sequence[str], what: str) -> Any:
@@ -40,7 +43,7 @@ class HFRunner:
     trainer, and inference tensors cannot be saved for backward there.
     """
 
-    def __init__(self, model: nn.Module, aux_layer_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int] | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self._config = text_config(model.config)
         self._decoder: nn.Module = model.get_decoder()
@@ -151,7 +154,9 @@ class HFRunner:
         return (head if head is not None else self.model.get_input_embeddings()).weight.detach()
 
     def final_norm_weight(self) -> Tensor:
-        return self._final_norm.weight.detach()
+        weight = self._final_norm.weight
+        assert isinstance(weight, Tensor)  # a norm's weight is a parameter, not a submodule
+        return weight.detach()
 
     def close(self) -> None:
         """Drop the model; the memory returns once the last reference goes."""

@@ -441,9 +441,9 @@ class VLLMRunner:
         (aux in the requested order, then h_L) and vLLM's `CompletionOutput` for it (the greedy token, and
         log-probabilities when `params` asks for them). Every row's file is gone once the generator is
         closed, or, if its write has not ended by then, once a later call finds it ended."""
-        for path in list(self._unfinished):
-            if discard_capture(path, timeout_s=0):
-                self._unfinished.discard(path)
+        for unfinished in list(self._unfinished):
+            if discard_capture(unfinished, timeout_s=0):
+                self._unfinished.discard(unfinished)
         outputs = self._llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params or self._sampling_params, use_tqdm=False
         )
@@ -469,8 +469,8 @@ class VLLMRunner:
                 yield states[:, order], completion
         finally:
             # A failed row must not leave the other rows' files behind in shared memory.
-            for path in paths:
-                if path is not None and not discard_capture(
-                    path, 0 if path in late else self._capture_timeout_s
+            for leftover in paths:
+                if leftover is not None and not discard_capture(
+                    leftover, 0 if leftover in late else self._capture_timeout_s
                 ):
-                    self._unfinished.add(path)
+                    self._unfinished.add(leftover)

@@ -29,7 +29,7 @@ def _flag(name: str, field: FieldInfo) -> inspect.Parameter:
     """
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     flag = "--" + str(extra.get("flag", name.replace("_", "-")))
-    kind = list[str] if get_origin(field.annotation) is dict else field.annotation
+    kind: Any = list[str] if get_origin(field.annotation) is dict else field.annotation
     option = typer.Option(flag, help=f"{field.description or ''} (env {ENV_PREFIX}{name.upper()})".lstrip())
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,7 +62,7 @@ class LoadedTarget:
     info: TargetInfo
 
 
-def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
+def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
     """Engine-specific keyword arguments: a sharded engine takes TP and context length; others one device."""
     if not ENGINES[settings.engine].sharded:
         if settings.tensor_parallel_size != 1:
@@ -70,7 +71,7 @@ def engine_kwargs(settings: ServerSettings) -> dict[str, object]:
                 "set --tensor-parallel-size 1 or use --engine vllm"
             )
         return dict(settings.engine_args)
-    extra: dict[str, object] = {"tensor_parallel_size": settings.tensor_parallel_size}
+    extra: dict[str, Any] = {"tensor_parallel_size": settings.tensor_parallel_size}
     if settings.max_model_len is not None:
         extra["max_model_len"] = settings.max_model_len
     return {**extra, **settings.engine_args}

@@ -62,4 +62,4 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, what: str) -> int:
 def raw_bytes(t: Tensor) -> memoryview:
     """The contiguous CPU bytes of a tensor, as a memoryview (no copy when already contiguous on CPU)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")

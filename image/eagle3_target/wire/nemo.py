@@ -60,7 +60,7 @@ class _Reader:
 
     def __init__(self, body: Tensor) -> None:
         self.body = body
-        self.raw = memoryview(body.numpy()) if body.numel() else memoryview(b"")
+        self.raw = body.numpy().data if body.numel() else memoryview(b"")
         self.pos = 0
 
     def remaining(self) -> int:

@@ -42,7 +42,7 @@ def decode_nemo_wire(body: bytearray, limit: int) -> Tensors:
     nones = sorted(name for name, tensor in tensors.items() if tensor is None)
     if nones:
         raise Unprocessable(f"tensors {nones} are None")
-    return tensors
+    return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
 
 def peer(request: Request) -> tuple[str, int]:
