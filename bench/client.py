@@ -31,7 +31,10 @@ from tests.eagle3_target.server.server_process import start_server  # noqa: E402
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 128, 4096, 1024, 8
 
 
-def measure(url: str, batches: list, fmt: str, mapping: VocabMapping, depth: int) -> dict[str, float]:
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, loss_mask
+
+
+def measure(url: str, batches: list[Batch], fmt: str, mapping: VocabMapping, depth: int) -> dict[str, float]:
     """Tokens/s and bytes/token for one format, fetched one at a time (depth 0) or with prefetch."""
     tokens = sum(b[0].numel() for b in batches)
     with TargetClient(url) as client:
@@ -84,6 +87,8 @@ def main() -> None:
             with TargetClient(url) as client:
                 from_hidden = client.batch(*batches[0], format="hidden", mapping=mapping)
                 from_probs = client.batch(*batches[0], format="probs", mapping=mapping)
+            assert from_hidden.target_probs is not None and from_probs.target_probs is not None  # a mapping
+            assert from_hidden.position_mask is not None and from_probs.position_mask is not None
             exact = torch.equal(from_hidden.target_probs, from_probs.target_probs) and torch.equal(
                 from_hidden.position_mask, from_probs.position_mask
             )

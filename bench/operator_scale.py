@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/operator_scale.py` as well as `python -m bench.operator_scale`
     sys.path.insert(0, str(REPO))
 
+from typing import Any  # noqa: E402
+
 import kubernetes  # noqa: E402
 from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402
 from eagle3_target.tiny import write_tiny_model  # noqa: E402
@@ -45,6 +47,7 @@ CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 
 
 def manifest(name: str, mode: str, url: str, port: int) -> dict:
+    spec: dict[str, Any]
     if mode == "external":
         spec = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
     else:
@@ -62,7 +65,7 @@ def manifest(name: str, mode: str, url: str, port: int) -> dict:
 def is_ready(body: dict) -> bool:
     status = body.get("status") or {}
     generation = body["metadata"]["generation"]
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     return ready.get("status") == "True" and ready.get("observedGeneration") == generation
 
 
@@ -125,7 +128,7 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
         core = kubernetes.client.CoreV1Api(cluster.api_client)
         namespace = f"e3bench-{secrets.token_hex(3)}"
-        core.create_namespace({"metadata": {"name": namespace}})
+        core.create_namespace(kubernetes.client.V1Namespace(metadata={"name": namespace}))
         cleanup.append(lambda: core.delete_namespace(namespace))
 
         work = Path(tempfile.mkdtemp(prefix="e3t-bench-"))

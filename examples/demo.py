@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import kubernetes
 import torch
@@ -95,9 +96,11 @@ class PodServers:
         self.logs = logs
         self.serving: dict[str, str] = {}  # pod name -> address
 
-    def sync(self) -> None:
+    def sync(self) -> dict[str, str]:
+        """Start a server for each pod that has an IP and none yet; returns every pod served so far."""
         selector = ",".join(f"{k}={v}" for k, v in render.selector_labels(TARGET).items())
         for pod in self.core.list_namespaced_pod(TARGET_NAMESPACE, label_selector=selector).items:
+            assert pod.metadata is not None and pod.metadata.name is not None and pod.status is not None
             if pod.metadata.name in self.serving or not pod.status.pod_ip:
                 continue
             argv = self.host_command(pod)
@@ -105,14 +108,16 @@ class PodServers:
             self.stack.enter_context(process(argv, log))
             self.serving[pod.metadata.name] = pod.status.pod_ip
             print(f"    {pod.metadata.name}: serving at {pod.status.pod_ip} (log {log})", flush=True)
+        return self.serving
 
     @staticmethod
     def host_command(pod: kubernetes.client.V1Pod) -> list[str]:
+        assert pod.spec is not None and pod.status is not None  # a scheduled pod has both
         container = next(c for c in pod.spec.containers if c.command and "serve" in c.command)
         mounts = {m.name: m.mount_path for m in container.volume_mounts or ()}
         host_paths = {v.name: v.host_path.path for v in pod.spec.volumes or () if v.host_path}
         on_host = {mounts[name]: path for name, path in host_paths.items() if name in mounts}
-        argv = list(container.command) + list(container.args or ())
+        argv = list(container.command or ()) + list(container.args or ())
         for flag, value in (("--model", None), ("--host", pod.status.pod_ip)):
             index = argv.index(flag) + 1
             argv[index] = value or on_host.get(argv[index], argv[index])
@@ -128,7 +133,9 @@ class ProgressNarration:
         self.seen: list[str] = []
 
     def poll(self) -> str:
-        body = self.custom.get_namespaced_custom_object(GROUP, VERSION, TARGET_NAMESPACE, PLURAL, TARGET)
+        body: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]  # JSON
+            GROUP, VERSION, TARGET_NAMESPACE, PLURAL, TARGET
+        )
         conditions = (body.get("status") or {}).get("conditions") or []
         progressing = next((c for c in conditions if c["type"] == "Progressing"), None)
         if progressing is not None and progressing["status"] == "True":
@@ -146,6 +153,7 @@ def report(cluster: Cluster) -> None:
     print(f"    endpoints:   {', '.join(target.endpoints)}")
     print(f"    fingerprint: {target.fingerprint}")
     model = target.model
+    assert model is not None  # a Ready target publishes the model its servers reported
     print(f"    model:       {model.name} ({model.engine}, {model.dtype}), {model.num_hidden_layers} layers,")
     print(f"                 hidden {model.hidden_size}, vocab {model.vocab_size}, aux {model.aux_layer_ids}")
     generator = torch.Generator().manual_seed(0)
@@ -215,7 +223,7 @@ def main() -> None:
 
         step("the operator renders a Deployment; each scheduled pod's server starts at the pod's IP")
         servers = PodServers(cluster, stack, work)
-        eventually(lambda: (servers.sync(), servers.serving)[1], "the target's pods", 120)
+        eventually(servers.sync, "the target's pods", 120)
 
         step("the target's progress, as its server reports it while it waits for the weights")
         narration = ProgressNarration(cluster)

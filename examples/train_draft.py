@@ -64,6 +64,7 @@ def ttt_loss(draft: Eagle3Draft, batch: Eagle3TargetBatch, ttt_steps: int) -> tu
 
     Each step moves one token further: the ids, the target distribution and its mask shift left once more.
     """
+    assert batch.target_probs is not None and batch.position_mask is not None  # built with a draft vocab
     ids, probs, mask = batch.input_ids, batch.target_probs, batch.position_mask.squeeze(-1)
     feature = draft.fc(batch.aux_hidden_states.float())
     total, weights, accuracy = torch.zeros(()), 0.0, torch.zeros(())
@@ -177,7 +178,8 @@ def main(
     if (target is None) == (not url):
         raise typer.BadParameter("give exactly one of --target or --url")
     token = token_file.read().strip() if token_file else None
-    with TargetClient(target or url, namespace=namespace, token=token) as client:
+    endpoints: str | list[str] = target if target is not None else (url or [])
+    with TargetClient(endpoints, namespace=namespace, token=token) as client:
         history = train(
             client,
             steps=steps,

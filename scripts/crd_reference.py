@@ -79,7 +79,7 @@ def reference(crd_path: Path = CRD) -> str:
     return "\n".join(lines)
 
 
-def _walk_rules(schema: dict[str, Any]) -> Iterator[str]:
+def _walk_rules(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield from schema.get("x-kubernetes-validations", ())
     for child in schema.get("properties", {}).values():
         yield from _walk_rules(child)

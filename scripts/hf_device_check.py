@@ -107,7 +107,7 @@ def main(
             }
             line |= compare(dtype, tested, reference)
             print(json.dumps(line), flush=True)
-            passed = passed and line["pass"]
+            passed = passed and bool(line["pass"])
     raise typer.Exit(0 if passed else 1)
 
 

@@ -117,6 +117,10 @@ class Suite:
             self._hf.close()
             self._hf = None
 
+    def runner_args(self, extra: dict[str, object]) -> dict[str, Any]:
+        """The suite's engine arguments plus a check's own, as the strings the CLI would pass."""
+        return self.engine_args | {key: str(value) for key, value in extra.items()}
+
     @contextlib.contextmanager
     def vllm(self, aux_layer_ids: list[int] | None = None, **engine_args: object) -> Iterator[VLLMRunner]:
         runner = VLLMRunner.from_pretrained(
@@ -125,7 +129,7 @@ class Suite:
             device=self.device,
             aux_layer_ids=aux_layer_ids,
             hidden_states_dir=self.hidden_states_dir,
-            **(self.engine_args | {k: str(v) for k, v in engine_args.items()}),
+            **self.runner_args(engine_args),
         )
         try:
             yield runner
@@ -167,14 +171,14 @@ def num_layers(suite: Suite) -> int:
 def check_chunked_prefill(suite: Suite) -> dict[str, Any]:
     """C1: rows longer than one scheduler step are prefilled in chunks and still captured whole."""
     chunk = max(16, suite.seq_len // 8)
-    args = {"max_num_batched_tokens": chunk, "max_model_len": 2 * suite.seq_len}
+    args: dict[str, Any] = {"max_num_batched_tokens": chunk, "max_model_len": 2 * suite.seq_len}
     with suite.vllm(**args) as runner:
         return suite.compare(runner, *suite.batch(vocab(suite), 4, suite.seq_len)) | {"engine_args": args}
 
 
 def check_many_requests(suite: Suite) -> dict[str, Any]:
     """C2: many requests per step and a batch split over several steps keep each row's own capture."""
-    args = {"max_num_seqs": 8}
+    args: dict[str, Any] = {"max_num_seqs": 8}
     with suite.vllm(**args) as runner:
         input_ids, mask = suite.batch(vocab(suite), 64, max(8, suite.seq_len // 8))
         return suite.compare(runner, input_ids, mask) | {"engine_args": args}
