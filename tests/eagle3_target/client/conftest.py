@@ -5,36 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import kubernetes
 import pytest
-import yaml
 from eagle3_target.runners.hf import HFRunner
-from kubernetes.client.rest import ApiException
 
-from tests.eagle3_target.client.helpers import CRD_FILE, TOKEN, start_on_port
+from tests.eagle3_target.client.helpers import TOKEN, start_on_port
 from tests.eagle3_target.server.server_process import ServerProcess, start_server
 
 HF_ARGS = ["--engine", "hf", "--dtype", "float32"]
-
-
-@pytest.fixture(scope="module")
-def crd(cluster) -> None:
-    """The Eagle3Target CRD, installed once if absent, and Established."""
-    api = kubernetes.client.ApiextensionsV1Api(cluster.api_client)
-    manifest = yaml.safe_load(CRD_FILE.read_text())
-    try:
-        api.create_custom_resource_definition(manifest)
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", f"crd/{manifest['metadata']['name']}"
-    )
-
-
-@pytest.fixture
-def objects(cluster, crd) -> kubernetes.client.CustomObjectsApi:
-    return kubernetes.client.CustomObjectsApi(cluster.api_client)
 
 
 @pytest.fixture(scope="session")

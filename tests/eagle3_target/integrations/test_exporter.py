@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from tests.cluster.waiting import free_port
+from tests.eagle3_target.client.helpers import create_target, status, write_status
 from tests.eagle3_target.integrations.conftest import MAX_MODEL_LEN
 from tests.eagle3_target.integrations.reference import sglang_record, vllm_file
 
@@ -277,3 +278,41 @@ def test_target_and_url_are_exclusive(rows_jsonl, tmp_path):
     output = fail_cli("speculators", "--data", str(rows_jsonl), "--out", str(tmp_path))
     assert "--target" in output
     assert not os.listdir(tmp_path)
+
+
+def test_export_by_resource_name_follows_the_targets_status(
+    cluster, namespace, objects, bf16_server, rows_jsonl, tmp_path
+):
+    """The user's command: `--target NAME -n NS`, resolved through the API server (the test plays the
+    operator and publishes the server's endpoint in status)."""
+    with TargetClient(bf16_server.url) as client:
+        fingerprint = client.info().fingerprint
+    published = status(1, "True", "AllReplicasReady")
+    published["model"] = published["model"] | {"fingerprint": fingerprint}
+    published["endpoints"] = [
+        {"pod": "llama31-8b-0", "address": bf16_server.url, "ready": True, "node": "n0"}
+    ]
+    create_target(objects, namespace, "llama31-8b")
+    write_status(objects, namespace, "llama31-8b", published)
+    summary = run_cli(
+        "specforge", "--target", "llama31-8b", "-n", namespace, "--kubeconfig", str(cluster.kubeconfig),
+        "--data", str(rows_jsonl), "--out", str(tmp_path), "--wait", "30",
+    )  # fmt: skip
+    assert "exported 12 rows" in summary
+    assert len(list(tmp_path.rglob("*.ckpt"))) == 12
+    output = fail_cli(
+        "specforge",
+        "--target",
+        "absent",
+        "-n",
+        namespace,
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "--data",
+        str(rows_jsonl),
+        "--out",
+        str(tmp_path / "x"),
+        "--wait",
+        "0",
+    )
+    assert "absent" in output
