@@ -1,4 +1,4 @@
-"""The operator's Prometheus metrics (DESIGN §6), served on their own port by the CLI.
+"""The operator's Prometheus metrics, served on their own port by the CLI.
 
 Gauges describe the targets this operator instance reconciles; counters count its work, so a flat
 `eagle3_operator_status_writes_total` over an idle period shows the operator is not churning.

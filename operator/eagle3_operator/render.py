@@ -78,10 +78,6 @@ def child_name(target_name: str) -> str:
     return _fit(target_name)
 
 
-# The per-kind names of the operator interface; all are the one child name.
-deployment_name = service_name = pdb_name = pod_monitor_name = network_policy_name = child_name
-
-
 @dataclass(frozen=True)
 class Neighbours:
     """Namespaces outside a target's spec that its NetworkPolicy admits: the operator's (it probes the
@@ -139,7 +135,7 @@ def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:
     """The stable URL published in status: the external endpoint, or the Service's cluster DNS name."""
     if spec.endpoint is not None:
         return spec.endpoint.url.rstrip("/")
-    return f"http://{service_name(name)}.{namespace}.svc:{spec.port}"
+    return f"http://{child_name(name)}.{namespace}.svc:{spec.port}"
 
 
 def hf_revision(spec: Eagle3TargetSpec) -> str:
@@ -447,7 +443,7 @@ def build_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(deployment_name(name), name, namespace, owner),
+        "metadata": _metadata(child_name(name), name, namespace, owner),
         "spec": {
             "replicas": spec.effective_replicas if hydrated else 0,
             "selector": {"matchLabels": selector_labels(name)},
@@ -474,7 +470,7 @@ def build_service(name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(service_name(name), name, namespace, owner),
+        "metadata": _metadata(child_name(name), name, namespace, owner),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
@@ -500,7 +496,7 @@ def build_pdb(
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(pdb_name(name), name, namespace, owner),
+        "metadata": _metadata(child_name(name), name, namespace, owner),
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(name)},
@@ -517,7 +513,7 @@ def build_pod_monitor(
     monitor = spec.monitoring.pod_monitor
     if not monitor.enabled:
         return None
-    metadata = _metadata(pod_monitor_name(name), name, namespace, owner)
+    metadata = _metadata(child_name(name), name, namespace, owner)
     metadata["labels"] = {**monitor.labels, **metadata["labels"]}
     return {
         "apiVersion": POD_MONITOR_API_VERSION,
@@ -565,7 +561,7 @@ def build_network_policy(
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(network_policy_name(name), name, namespace, owner),
+        "metadata": _metadata(child_name(name), name, namespace, owner),
         "spec": {
             "podSelector": {"matchLabels": selector_labels(name)},
             "policyTypes": ["Ingress"],

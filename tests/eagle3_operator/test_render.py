@@ -527,13 +527,13 @@ def test_names_fit_the_63_character_limit(name):
 
 
 def test_short_valid_names_are_kept_and_others_get_a_hash():
-    assert render.service_name("tiny") == "tiny"
-    assert render.service_name("x" * 63) == "x" * 63
-    long = render.service_name(LONG_NAME)
+    assert render.child_name("tiny") == "tiny"
+    assert render.child_name("x" * 63) == "x" * 63
+    long = render.child_name(LONG_NAME)
     assert long.startswith("a-very-long-target-name") and len(long) <= 63
-    dotted = render.service_name("llama-3.1-8b")  # '.' may not appear in a Service name
-    assert dotted.startswith("llama-3-1-8b-") and dotted != render.service_name("llama-3-1-8b")
-    assert render.service_name("8b").startswith("e3t-8b-")
+    dotted = render.child_name("llama-3.1-8b")  # '.' may not appear in a Service name
+    assert dotted.startswith("llama-3-1-8b-") and dotted != render.child_name("llama-3-1-8b")
+    assert render.child_name("8b").startswith("e3t-8b-")
 
 
 def test_instance_label_is_the_target_name_whenever_it_can_be():
@@ -547,10 +547,9 @@ def test_instance_label_is_the_target_name_whenever_it_can_be():
 @settings(deadline=None)  # no timing assertions: a loaded CI machine must not fail this
 @given(st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,120}[a-z0-9])?", fullmatch=True))
 def test_any_resource_name_maps_to_a_valid_stable_service_name(name):
-    service = render.service_name(name)
+    service = render.child_name(name)
     assert DNS_1035.match(service) and len(service) <= 63
-    assert service == render.service_name(name)
-    assert render.deployment_name(name) == render.pdb_name(name) == service
+    assert service == render.child_name(name)
 
 
 @settings(deadline=None)
@@ -560,7 +559,7 @@ def test_any_resource_name_maps_to_a_valid_stable_service_name(name):
 )
 def test_distinct_long_names_stay_distinct(first, second):
     if first != second:
-        assert render.service_name(first) != render.service_name(second)
+        assert render.child_name(first) != render.child_name(second)
 
 
 def test_rendered_children_pass_a_server_side_dry_run(cluster, namespace):

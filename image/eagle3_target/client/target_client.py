@@ -147,7 +147,7 @@ class TargetClient:
         vocab: str | VocabMapping | None = None,
         dtype: str | None = None,
     ) -> dict[str, Tensor]:
-        """The raw, unshifted tensors of one format for the batch (see DESIGN §3's format table).
+        """The raw, unshifted tensors of one format for the batch (see `protocol.FORMATS`).
 
         `hidden_prenorm` gives h_L before the final norm (`final_hidden_prenorm`) for trainers that apply
         the target's norm themselves (speculators); `hidden` gives it after (`final_hidden`).

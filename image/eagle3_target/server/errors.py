@@ -1,4 +1,4 @@
-"""The server's error contract (DESIGN §3): every failure is JSON ``{"error": {"type", "message"}}``.
+"""The server's error contract: every failure is JSON ``{"error": {"type", "message"}}``.
 
 Handlers raise an ``ApiError`` subclass; one exception handler renders it. Framework errors (unknown route,
 wrong method, FastAPI validation) and unexpected exceptions are rendered the same way, so a client never has

@@ -1,9 +1,10 @@
 """uvicorn's HTTP/1.1 protocol, answering the requests its parser rejects in the server's JSON error shape.
 
 A request the HTTP parser cannot frame (``Content-Length: abc``, a negative length, a broken request line)
-never reaches the app: uvicorn answers it itself with a plain-text 400. DESIGN §3 promises every client a
-JSON error, so this subclass of the protocol uvicorn would pick anyway (httptools when installed, else h11)
-renders that 400 as the app would render a ``BadRequest``. The connection is closed either way.
+never reaches the app: uvicorn answers it itself with a plain-text 400. The error contract (errors.py)
+promises every client a JSON error, so this subclass of the protocol uvicorn would pick anyway (httptools
+when installed, else h11) renders that 400 as the app would render a ``BadRequest``. The connection is
+closed either way.
 """
 
 from __future__ import annotations

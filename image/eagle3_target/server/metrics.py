@@ -1,4 +1,4 @@
-"""Prometheus metrics of the target server (DESIGN §6), kept in a per-app registry.
+"""Prometheus metrics of the target server, kept in a per-app registry.
 
 A registry per app (not prometheus_client's global one) lets several apps live in one process, as the tests
 and the benchmark do, without duplicate-metric errors.
