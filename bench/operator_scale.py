@@ -41,7 +41,8 @@ from eagle3_target.tiny import write_tiny_model  # noqa: E402
 
 from tests.cluster import plane  # noqa: E402
 from tests.cluster.access import Cluster  # noqa: E402
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port  # noqa: E402
+from tests.cluster.waiting import free_port  # noqa: E402
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm  # noqa: E402
 
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 

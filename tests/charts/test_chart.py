@@ -16,7 +16,8 @@ from eagle3_operator import cli
 from eagle3_operator.settings import needs_cluster_scanning
 from eagle3_target.tiny import write_tiny_model
 
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, free_port, wait_for
+from tests.cluster.waiting import free_port
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "eagle3-operator"

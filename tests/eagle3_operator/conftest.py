@@ -17,7 +17,8 @@ import pytest
 from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, free_port, wait_for
+from tests.cluster.waiting import free_port
+from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"

@@ -14,8 +14,9 @@ from eagle3_target.protocol import HydrationProgress
 from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 
+from tests.cluster.waiting import free_port
 from tests.eagle3_operator.conftest import AUTH_TOKEN
-from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, free_port, wait_for
+from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, wait_for
 from tests.eagle3_target.server.server_process import serve_in_thread
 
 
