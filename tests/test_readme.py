@@ -34,3 +34,14 @@ def test_resource_reference_matches_the_crd():
     assert "`spec.model.source.pvc.claimName`" in generated
     stale = "README's reference is stale: run python scripts/crd_reference.py --write README.md"
     assert generated.strip() in README, stale
+
+
+def test_the_layout_table_names_paths_that_exist():
+    table = README.split("| piece | where |", 1)[1].split("\n\n", 1)[0]
+    where = " ".join(row.split("|")[2] for row in table.strip().splitlines()[1:])
+    paths = [path for path in re.findall(r"`([^`\s]+)`", where) if "/" in path]
+    assert len(paths) >= 10, paths
+    for path in paths:
+        assert (REPO / path).exists(), path
+    folders = {path.split("/")[0] for path in paths}
+    assert {"image", "operator", "crds", "charts", "examples", "bench", "scripts", "tests"} <= folders
