@@ -52,13 +52,21 @@ class Engine:
     load: Callable[..., TargetRunner]
     # Refuses, before anything loads, the engine arguments that loading would refuse (ModelRefused).
     check_args: Callable[[str, Mapping[str, object]], None]
-    # Spreads a model over `tensor_parallel_size` GPUs and honours `max_model_len`; otherwise one device.
+    # Spreads a model over `tensor_parallel_size` GPUs (so needs at least one) and honours `max_model_len`;
+    # otherwise one device, CPU included.
     sharded: bool
+    # What /readyz says while the engine loads.
+    loading_message: str = "loading weights"
 
 
 # The first entry is the default.
 ENGINES: dict[str, Engine] = {
-    "vllm": Engine(_load_vllm, _vllm_engine_args, sharded=True),
+    "vllm": Engine(
+        _load_vllm,
+        _vllm_engine_args,
+        sharded=True,
+        loading_message="starting the vLLM engine (loading weights, compiling, capturing CUDA graphs)",
+    ),
     "hf": Engine(_load_hf, _no_engine_args, sharded=False),
 }
 DEFAULT_ENGINE = next(iter(ENGINES))

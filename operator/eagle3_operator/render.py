@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
+from eagle3_target.engines import ENGINES
 from eagle3_target.protocol import API_VERSION, KIND
 
 from eagle3_operator.constants import (
@@ -168,7 +169,7 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
         args += ["--dtype", model.dtype]
     if spec.aux_layer_ids is not None:
         args += ["--aux-layer-ids", *(str(layer) for layer in spec.aux_layer_ids)]
-    if spec.engine == "vllm":
+    if ENGINES[spec.engine].sharded:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.max_model_len is not None:
         args += ["--max-model-len", str(spec.max_model_len)]

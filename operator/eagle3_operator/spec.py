@@ -9,6 +9,7 @@ Field names and defaults match the CRD exactly; tests/eagle3_operator/test_spec.
 import re
 from typing import Annotated, Any, Literal, Self
 
+from eagle3_target.engines import ENGINES
 from kubernetes.utils import parse_quantity
 from pydantic import (
     BaseModel,
@@ -431,8 +432,10 @@ class Eagle3TargetSpec(_Model):
             raise ValueError(
                 "model.source (pvc, hostPath or huggingFace) is required unless endpoint.url is set"
             )
-        if self.engine == "vllm" and self.tensor_parallel_size < 1:
-            raise ValueError("engine vllm needs GPUs: tensorParallelSize must be >= 1 (0 is for engine hf)")
+        if ENGINES[self.engine].sharded and self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"engine {self.engine} needs GPUs: tensorParallelSize must be >= 1 (0 is for engine hf)"
+            )
         if self.monitoring.metrics_port == self.port:
             raise ValueError(f"monitoring.metricsPort and port must differ (both are {self.port})")
         volumes = {volume.name for volume in self.volumes}

@@ -98,12 +98,6 @@ def run_canary(runner: TargetRunner, *, hidden_size: int, vocab_size: int) -> No
 
 
 # What each engine does while `load_runner` runs, as the load progress says it.
-LOADING_MESSAGES = {
-    "hf": "loading weights",
-    "vllm": "starting the vLLM engine (loading weights, compiling, capturing CUDA graphs)",
-}
-
-
 def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) -> LoadedTarget:
     """Check what can be refused at once, wait for weights still arriving, load the runner, run the canary
     and compute the published identity, reporting each phase to `tracker`. Slow: runs off the event loop.
@@ -112,7 +106,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
     kwargs = engine_kwargs(settings)
     preflight(settings.model, settings.engine, kwargs)
     wait_for_weights(Path(settings.model), tracker)
-    message = LOADING_MESSAGES[settings.engine]
+    message = ENGINES[settings.engine].loading_message
     tracker.update(LoadPhase.LOADING, message)
     with weight_loading_progress(tracker, message):
         runner = load_runner(
