@@ -46,7 +46,7 @@ cluster-down: venv
 	$(VENV)/bin/python -m tests.cluster down
 
 bench: venv
-	@for b in bench/*.py; do echo "==> $$b"; $(VENV)/bin/python $$b || exit 1; done
+	@for b in bench/*.py; do m=$$(basename $$b .py); echo "==> bench.$$m"; $(VENV)/bin/python -m bench.$$m || exit 1; done
 
 clean:
 	-$(VENV)/bin/python -m tests.cluster down

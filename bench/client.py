@@ -5,28 +5,23 @@ target in the ratios that matter (draft vocab / hidden = 8, as Llama-3.1-8B with
 pulls the same batches through TargetClient for the `hidden` and `probs` formats, sequentially and with
 prefetch. Bytes/token are what came over the wire; `exact` checks both formats rebuild the same batch.
 
-    python bench/client.py [--batches 16] [--batch-size 4] [--seq-len 256] [--depth 3]
+    python -m bench.client [--batches 16] [--batch-size 4] [--seq-len 256] [--depth 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/client.py` as well as `python -m bench.client`
-    sys.path.insert(0, str(REPO))
+import torch
+from eagle3_target.client import TargetClient
+from eagle3_target.contract import VocabMapping
+from eagle3_target.tiny import write_tiny_model
 
-import torch  # noqa: E402
-from eagle3_target.client import TargetClient  # noqa: E402
-from eagle3_target.contract import VocabMapping  # noqa: E402
-from eagle3_target.tiny import write_tiny_model  # noqa: E402
-
-from tests.eagle3_target.server.server_process import start_server  # noqa: E402
+from tests.eagle3_target.server.server_process import start_server
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 128, 4096, 1024, 8
 

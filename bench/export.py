@@ -1,6 +1,6 @@
 """Exporter throughput: `eagle3-target export` against a real server next to the in-process forward alone.
 
-    .venv/bin/python bench/export.py [--quick] [--device cpu|cuda] [--rounds 2]
+    .venv/bin/python -m bench.export [--quick] [--device cpu|cuda] [--rounds 2]
 
 Writes a random Llama-style model in bf16 (hidden 1024, 8 layers, vocab 32000; --quick: hidden 256, vocab
 8000), pre-tokenised rows of 128-512 tokens (--quick: 64-256), starts a real `eagle3-target serve` (HF
@@ -18,24 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/export.py` as well as `python -m bench.export`
-    sys.path.insert(0, str(REPO))
+import torch
+from eagle3_target.client.target_client import TargetClient
+from eagle3_target.integrations.exporter import export, pack, padded
+from eagle3_target.integrations.layouts import SpecForgeLayout, SpeculatorsLayout
+from eagle3_target.integrations.rows import JsonlRows
+from eagle3_target.runners import load_runner
+from eagle3_target.tiny import write_tiny_model
 
-import torch  # noqa: E402
-from eagle3_target.client.target_client import TargetClient  # noqa: E402
-from eagle3_target.integrations.exporter import export, pack, padded  # noqa: E402
-from eagle3_target.integrations.layouts import SpecForgeLayout, SpeculatorsLayout  # noqa: E402
-from eagle3_target.integrations.rows import JsonlRows  # noqa: E402
-from eagle3_target.runners import load_runner  # noqa: E402
-from eagle3_target.tiny import write_tiny_model  # noqa: E402
-
-from tests.eagle3_target.server.server_process import start_server  # noqa: E402
+from tests.eagle3_target.server.server_process import start_server
 
 FULL = {"hidden_size": 1024, "num_layers": 8, "vocab_size": 32000, "rows": 48, "min_len": 128, "max_len": 512}
 QUICK = {"hidden_size": 256, "num_layers": 8, "vocab_size": 8000, "rows": 48, "min_len": 64, "max_len": 256}

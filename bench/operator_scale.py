@@ -28,21 +28,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import kubernetes
+from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from eagle3_target.tiny import write_tiny_model
+
+from tests.cluster import plane
+from tests.cluster.access import Cluster
+from tests.cluster.waiting import free_port
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/operator_scale.py` as well as `python -m bench.operator_scale`
-    sys.path.insert(0, str(REPO))
-
-from typing import Any  # noqa: E402
-
-import kubernetes  # noqa: E402
-from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION  # noqa: E402
-from eagle3_target.tiny import write_tiny_model  # noqa: E402
-
-from tests.cluster import plane  # noqa: E402
-from tests.cluster.access import Cluster  # noqa: E402
-from tests.cluster.waiting import free_port  # noqa: E402
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm  # noqa: E402
 
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 

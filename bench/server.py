@@ -1,6 +1,6 @@
 """Target server throughput: the HTTP path of every format next to the in-process runner, same inputs.
 
-    .venv/bin/python bench/server.py [--quick] [--device cpu|cuda] [--reps 2] [--rounds 3]
+    .venv/bin/python -m bench.server [--quick] [--device cpu|cuda] [--reps 2] [--rounds 3]
 
 Writes a random Llama-style model (hidden 1024, 8 layers, vocab 32000, fp32; --quick: hidden 256, 8 layers,
 vocab 8000), starts a real `eagle3-target serve` (HF engine) on a loopback port and sends batches of
@@ -19,26 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/server.py` as well as `python -m bench.server`
-    sys.path.insert(0, str(REPO))
+import httpx
+import torch
+from eagle3_target import formats
+from eagle3_target.contract import VocabMapping
+from eagle3_target.protocol import FORMATS
+from eagle3_target.runners import load_runner
+from eagle3_target.tiny import write_tiny_model
+from eagle3_target.wire import tensors as tensor_wire
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from eagle3_target import formats  # noqa: E402
-from eagle3_target.contract import VocabMapping  # noqa: E402
-from eagle3_target.protocol import FORMATS  # noqa: E402
-from eagle3_target.runners import load_runner  # noqa: E402
-from eagle3_target.tiny import write_tiny_model  # noqa: E402
-from eagle3_target.wire import tensors as tensor_wire  # noqa: E402
-
-from tests.eagle3_target.server.server_process import start_server  # noqa: E402
+from tests.eagle3_target.server.server_process import start_server
 
 FULL = {
     "hidden_size": 1024,

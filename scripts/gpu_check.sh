@@ -49,5 +49,5 @@ export PYTHONPATH="$PWD/image:$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 status=0
 timeout 300 "$venv/bin/python" scripts/hf_device_check.py --device cuda || status=1
-timeout 240 "$venv/bin/python" bench/server.py --device cuda --rounds 2 || status=1
+timeout 240 "$venv/bin/python" -m bench.server --device cuda --rounds 2 || status=1
 exit $status
