@@ -1,23 +1,27 @@
 """Operator at scale: N targets created at once → time until all are Ready, then an idle period → writes.
 
     .venv/bin/python -m bench.operator_scale [--targets 200] [--mode external|pods] [--idle-seconds 60]
+    .venv/bin/python -m bench.operator_scale --targets 500 --mode external --hung 50   # the day-2 figure
 
 Runs against $E3T_KUBECONFIG, else the plane `python -m tests.cluster up` left running, else a private one.
 Mode `pods` (default): every target runs one kwok pod (engine hf, no GPU) and one real server app answers
 at every pod's IP, the whole create → Deployment → pod → probe → Ready loop. Mode `external`: every target
-points at one real target server (spec.endpoint.url), so the figures are the operator's own cost.
-Prints one JSON object:
-- all_ready_seconds: first create → last target Ready (Ready=True for its current generation);
+points at one real target server (spec.endpoint.url), so the figures are the operator's own cost; with
+--hung H, H of the targets point at a server that accepts connections and never answers (external mode),
+and the figures are about the others. Prints one JSON object:
+- all_ready_seconds: first create → last healthy target Ready (Ready=True for its current generation);
 - create_to_ready_p50/p95_seconds: per target;
 - operator_peak_rss_mib: the operator process's VmHWM;
 - api_requests_per_target: the reconciler's own API requests (kopf's watch streams not included);
 - idle_*: over --idle-seconds after everything is Ready: status writes and child applies the operator
-  counted, and MODIFIED watch events on the targets seen by this script (goal: all zero).
+  counted, and MODIFIED watch events on the targets seen by this script (goal: all zero, hung targets
+  included: they are probed all along, and their status does not change).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import secrets
 import shutil
@@ -58,6 +62,35 @@ def manifest(name: str, mode: str, url: str, port: int) -> dict:
         "metadata": {"name": name},
         "spec": spec,
     }
+
+
+class HungServer:
+    """Accepts connections and reads requests, never answers: a server wedged in a long forward pass."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._accept, "127.0.0.1", self.port), self._loop
+        )
+        self._server = started.result(timeout=10)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        while await reader.read(65536):
+            pass
+
+    def close(self) -> None:
+        async def shut() -> None:
+            for writer in self._writers:
+                writer.close()
+            self._server.close()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def is_ready(body: dict) -> bool:
@@ -118,7 +151,7 @@ def connect(stack: list) -> Cluster:
     return own.cluster()
 
 
-def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
+def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int = 0) -> dict:
     cleanup: list = []
     try:
         cluster = connect(cleanup)
@@ -135,6 +168,10 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
         cleanup.append(farm.close)
         url = f"http://{farm.primary[0]}:{farm.primary[1]}"
         port = free_port()
+        if hung and mode != "external":
+            raise SystemExit("--hung needs --mode external (pods mode serves every pod IP)")
+        wedged = HungServer()
+        cleanup.append(wedged.close)
         if mode == "pods":
             serving = PodServing(core, namespace, farm)
             serving.ports.add(port)
@@ -148,21 +185,24 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
 
         custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
         names = [f"t{i:04d}" for i in range(targets)]
+        stuck = set(names[:hung])
+        healthy = [name for name in names if name not in stuck]
         created_at: dict[str, float] = {}
 
         def create(name: str) -> None:
             created_at[name] = time.monotonic()
+            target_url = f"http://127.0.0.1:{wedged.port}/{name}" if name in stuck else url
             custom.create_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, manifest(name, mode, url, port)
+                GROUP, VERSION, namespace, PLURAL, manifest(name, mode, target_url, port)
             )
 
         started = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(create, names))
-        while len(watch.ready_at) < targets and time.monotonic() - started < timeout:
+        while not all(n in watch.ready_at for n in healthy) and time.monotonic() - started < timeout:
             time.sleep(0.2)
-        ready = [watch.ready_at[n] - created_at[n] for n in names if n in watch.ready_at]
-        all_ready = max(watch.ready_at.values()) - started if len(ready) == targets else None
+        ready = [watch.ready_at[n] - created_at[n] for n in healthy if n in watch.ready_at]
+        all_ready = max(watch.ready_at[n] for n in healthy) - started if len(ready) == len(healthy) else None
         api_requests = operator.metric_total("eagle3_operator_api_requests_total")
 
         writes_before = operator.metric("eagle3_operator_status_writes_total")
@@ -173,7 +213,9 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float) -> dict:
         return {
             "targets": targets,
             "mode": mode,
+            "hung": hung,
             "ready": len(ready),
+            "hung_ready": sum(1 for n in stuck if n in watch.ready_at),  # goal: 0
             "all_ready_seconds": round(all_ready, 2) if all_ready is not None else None,
             "create_to_ready_p50_seconds": round(statistics.median(ready), 3) if ready else None,
             "create_to_ready_p95_seconds": round(quantiles[18], 3),
@@ -200,8 +242,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=("external", "pods"), default="pods")
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
+    parser.add_argument("--hung", type=int, default=0, help="targets whose server never answers (external)")
     args = parser.parse_args()
-    print(json.dumps(run(args.targets, args.mode, args.idle_seconds, args.timeout), indent=2))
+    figures = run(args.targets, args.mode, args.idle_seconds, args.timeout, args.hung)
+    print(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,47 @@
 """`eagle3-operator`: run the kopf operator with the project's settings, a liveness endpoint and metrics.
 
-High availability is one replica with a Recreate strategy (the Helm chart's default) plus `--standalone`:
-kopf's peering is not leader election (operators of equal priority both pause), and a restarted operator
-converges on its own because every pass is level-based. `--peering NAME` is there for clusters that run a
-second, lower-priority standby; it needs the kopf peering CRD and RBAC for it.
+At startup the operator reads the installed Eagle3Target CRD's schema version, says which it found, and
+refuses to start on a CRD older than it needs.
 
-Exact `--namespace` names are served as given, without watching Namespace objects (kopf's scanning is off,
-so no cluster-wide reads are needed and the Eagle3Target CRD must exist before the operator starts). A
-glob (`team-*`) makes kopf watch Namespaces, and kopf misses a matching namespace created while that watch
+High availability: with `--leader-elect`, any number of replicas compete for a coordination.k8s.io Lease
+(leader.py); only the holder runs kopf, the others wait (answering liveness probes) and take over within
+about 20 s of the leader dying, or at once when it stops cleanly. A leader that cannot renew exits.
+kopf's own peering is not used: it is not leader election (operators of equal priority both pause).
+
+Exact `--namespace` names and `--all-namespaces` need no Namespace or CRD watches (kopf's scanning is off,
+so the Eagle3Target CRD must exist before the operator starts, which the startup check ensures). A glob
+(`team-*`) makes kopf watch Namespaces, and kopf misses a matching namespace created while that watch
 (re)lists, until the namespace changes or the operator restarts.
 """
 
+import asyncio
+import contextlib
 import logging
-from typing import Annotated
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import kopf
 import prometheus_client
 import typer
+from aiohttp import web
 
 from eagle3_operator import handlers
+from eagle3_operator.constants import CRD_SCHEMA_VERSION
+from eagle3_operator.kube import KubeApi
+from eagle3_operator.leader import LeaderElector
+from eagle3_operator.render import DEFAULT_IMAGE
 from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning
+
+logger = logging.getLogger(__name__)
+
+
+class CrdMismatch(Exception):
+    """The installed CRD cannot be served by this operator."""
+
 
 app = typer.Typer(add_completion=False)
 
@@ -43,12 +65,6 @@ def run(
     ] = "http://0.0.0.0:8080/healthz",
     metrics_port: Annotated[int, typer.Option(help="port of /metrics (Prometheus); 0 disables")] = 8081,
     metrics_address: Annotated[str, typer.Option(help="address /metrics binds to")] = "0.0.0.0",
-    standalone: Annotated[
-        bool, typer.Option("--standalone/--peering-auto", help="never pause for peers (single replica)")
-    ] = True,
-    peering: Annotated[
-        str | None, typer.Option(help="join this kopf peering object (implies --peering-auto)")
-    ] = None,
     reprobe_seconds: Annotated[
         float, typer.Option(min=0.2, help="how often target servers are re-probed")
     ] = OperatorConfig.reprobe_seconds,
@@ -66,6 +82,20 @@ def run(
         str | None,
         typer.Option(help="the namespace Prometheus runs in, admitted to targets' metrics port"),
     ] = None,
+    server_image: Annotated[
+        str,
+        typer.Option(
+            help="server image for new targets without spec.image (existing targets keep theirs until"
+            " annotated eagle3.dev/upgrade-server-image)"
+        ),
+    ] = DEFAULT_IMAGE,
+    leader_elect: Annotated[
+        bool, typer.Option(help="act only while holding a coordination.k8s.io Lease (run several replicas)")
+    ] = False,
+    leader_election_namespace: Annotated[
+        str | None, typer.Option(help="namespace of the Lease; default: --operator-namespace, else default")
+    ] = None,
+    leader_election_name: Annotated[str, typer.Option(help="name of the Lease")] = "eagle3-operator",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
 ) -> None:
     """Reconcile Eagle3Target resources into target-server Deployments and publish their status."""
@@ -77,42 +107,98 @@ def run(
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if metrics_port:
         prometheus_client.start_http_server(metrics_port, addr=metrics_address)
-    config = operator_config(
-        namespace or [],
-        all_namespaces,
-        reprobe_seconds,
-        api_timeout_seconds,
-        operator_namespace=operator_namespace,
-        prometheus_namespace=prometheus_namespace,
-    )
-    kopf.run(
-        registry=handlers.registry,
-        clusterwide=all_namespaces,
-        namespaces=namespace or (),
-        standalone=standalone and peering is None,
-        peering_name=peering,
-        liveness_endpoint=liveness or None,
-        memo=kopf.Memo(config=config),
-    )
-
-
-def operator_config(
-    namespaces: list[str],
-    all_namespaces: bool,
-    reprobe_seconds: float,
-    api_timeout_seconds: float,
-    *,
-    operator_namespace: str | None = None,
-    prometheus_namespace: str | None = None,
-) -> OperatorConfig:
-    """The config for this scope: exact namespaces turn kopf's Namespace and CRD watches off."""
-    return OperatorConfig(
+    config = OperatorConfig(
         reprobe_seconds=reprobe_seconds,
         api_timeout_seconds=api_timeout_seconds,
-        scan_cluster=needs_cluster_scanning(namespaces, all_namespaces),
+        scan_cluster=needs_cluster_scanning(namespace or []),
+        server_image=server_image,
         operator_namespace=operator_namespace,
         prometheus_namespace=prometheus_namespace,
     )
+    lease_namespace = leader_election_namespace or operator_namespace or "default"
+    election = (lease_namespace, leader_election_name) if leader_elect else None
+    kopf_options = {
+        "registry": handlers.registry,
+        "clusterwide": all_namespaces,
+        "namespaces": namespace or (),
+        "standalone": True,  # kopf's peering would pause equal peers; leadership is the Lease's
+        "liveness_endpoint": liveness or None,
+        "memo": kopf.Memo(config=config),
+    }
+    try:
+        asyncio.run(operate(config, kopf_options, election, liveness))
+    except CrdMismatch as error:
+        typer.echo(f"eagle3-operator: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
+async def operate(
+    config: OperatorConfig,
+    kopf_options: dict[str, Any],
+    election: tuple[str, str] | None,
+    liveness: str,
+) -> None:
+    """Check the CRD, wait for leadership when electing, then run kopf (until a signal, or a lost lease)."""
+    api = await KubeApi.connect(config.api_timeout_seconds)
+    elector = None
+    try:
+        await check_crd(api)
+        if election is not None:
+            identity = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+            elector = LeaderElector(api, *election, identity)
+            async with standby_liveness(liveness):
+                await elector.acquire()
+            asyncio.create_task(elector.hold(lost=_exit_at_once), name="leader election")  # noqa: RUF006
+        await kopf.operator(**kopf_options)
+    finally:
+        if elector is not None:
+            await elector.release()
+        await api.close()
+
+
+async def check_crd(api: KubeApi) -> int:
+    """Say which CRD schema version is installed; refuse one older than this operator needs."""
+    found = await api.crd_schema_version()
+    if found is None:
+        raise CrdMismatch("the Eagle3Target CRD is not installed: kubectl apply --server-side -f crds/")
+    if found < CRD_SCHEMA_VERSION:
+        raise CrdMismatch(
+            f"the installed Eagle3Target CRD has schema version {found}, this operator needs"
+            f" {CRD_SCHEMA_VERSION}: upgrade the CRD first (kubectl apply --server-side -f crds/, or the"
+            " chart's crds/ directory)"
+        )
+    newer = " (newer: fields this operator does not know are ignored)" if found > CRD_SCHEMA_VERSION else ""
+    logger.info("Eagle3Target CRD schema version %d found%s", found, newer)
+    return found
+
+
+def _exit_at_once() -> None:
+    """Leadership lost: stop acting now, before another replica may start (the pod restarts as standby)."""
+    logging.shutdown()
+    os._exit(1)
+
+
+@contextlib.asynccontextmanager
+async def standby_liveness(liveness: str) -> AsyncIterator[None]:
+    """While a replica waits for the Lease, answer the liveness endpoint kopf serves once it leads."""
+    if not liveness:
+        yield
+        return
+    url = urlsplit(liveness)
+
+    async def alive(_: web.Request) -> web.Response:
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get(url.path or "/", alive)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, url.hostname, url.port or 80, reuse_address=True)
+    await site.start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""Names the operator's modules share: the labels on its children, the child kinds it owns and the server
-pod's layout (which the spec's own pod settings must stay clear of).
+"""Names the operator's modules share: the labels and annotations on its children, the child kinds it owns
+and the server pod's layout (which the spec's own pod settings must stay clear of).
 
 The Eagle3Target resource's own names (group, version, plural, field manager) are shared with the server
 and the client, so they live in `eagle3_target.protocol`.
@@ -7,7 +7,7 @@ and the client, so they live in `eagle3_target.protocol`.
 
 from dataclasses import dataclass
 
-from eagle3_target.protocol import FIELD_MANAGER
+from eagle3_target.protocol import FIELD_MANAGER, GROUP
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -27,6 +27,20 @@ HYDRATION_PROGRESS_PORT = 8090
 # The label every child carries; the watches select on it, so memory does not grow with the cluster.
 MANAGED_LABELS = {LABEL_MANAGED_BY: FIELD_MANAGER}
 
+# On every child: the digest of what the operator rendered for it. A child is applied when its stamp
+# differs from the rendering (so a field removed from the spec is pruned by server-side apply) or when
+# someone else changed what it renders (drift).
+ANNOTATION_RENDERED_DIGEST = f"{GROUP}/rendered-digest"
+# On a Deployment: the server image its target runs when spec.image is unset, fixed when the Deployment is
+# first rendered, so upgrading the operator restarts no target.
+ANNOTATION_SERVER_IMAGE = f"{GROUP}/server-image"
+# On a target: set or change its value to move the target to the operator's current server image (the
+# Deployment records the value it acted on).
+ANNOTATION_UPGRADE = f"{GROUP}/upgrade-server-image"
+# On the CRD: the version of its schema. The operator refuses to start on a CRD older than the one it
+# needs (crds/ holds the matching CRD); a newer one is fine (unknown fields are ignored with a warning).
+ANNOTATION_SCHEMA_VERSION = f"{GROUP}/schema-version"
+CRD_SCHEMA_VERSION = 1
 # The server pod's layout: what the operator itself puts there, so the spec's own pod settings cannot
 # collide with it (the CRD refuses the same names; tests keep the two lists in step).
 MODEL_MOUNT = "/models"

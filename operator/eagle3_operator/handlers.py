@@ -4,27 +4,31 @@ Why event handlers and not on.create/on.update/on.resume: the reconcile is level
 compares everything each pass), so it only needs to know *that* something changed. Event handlers see
 creation, every update and, at startup, every existing object (resume), and kopf stores nothing for them:
 no `last-handled-configuration` annotation, no progress annotations, no finalizer. Deleting a target
-therefore never waits for the operator; owner references let Kubernetes collect the children. The periodic
-re-probe is an asyncio task, not a kopf timer, for the same reason (timers add a finalizer).
+therefore never waits for the operator; owner references let Kubernetes collect the children. Probing
+runs in the reconciler's own asyncio tasks, not kopf timers, for the same reason (timers add a finalizer).
 
 kopf delivers events only after every index is fully listed, so a pass never sees a half-built view.
 """
 
-import asyncio
 import copy
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from eagle3_target.protocol import GROUP, KIND, PLURAL, VERSION
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
-from eagle3_operator.constants import LABEL_INSTANCE, MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
+from eagle3_operator.constants import (
+    ANNOTATION_UPGRADE,
+    LABEL_INSTANCE,
+    MANAGED_LABELS,
+    POD_SELECTOR,
+    WATCHED_CHILD_KINDS,
+)
 from eagle3_operator.kube import KubeApi
-from eagle3_operator.probe import Prober
-from eagle3_operator.reconciler import ChildState, Reconciler, TargetKey, TargetSnapshot, essence
+from eagle3_operator.reconciler import Reconciler, TargetKey, TargetSnapshot, child_state, controlling_target
 from eagle3_operator.render import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
-from eagle3_operator.status import deployment_view, job_view, pod_view
+from eagle3_operator.status import pod_view
 
 # The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
 registry = kopf.OperatorRegistry()
@@ -35,9 +39,7 @@ class Runtime:
     """What the handlers share, kept in kopf's memo."""
 
     api: KubeApi
-    prober: Prober
     reconciler: Reconciler
-    reprobe: asyncio.Task[None]
 
 
 @kopf.on.login(registry=registry)
@@ -55,24 +57,22 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
     config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
     configure(settings, config)
     api = await KubeApi.connect(config.api_timeout_seconds)
-    prober = Prober()
     reconciler = Reconciler(
         api,
-        prober,
         targets=kwargs["target_index"],
         children=[kwargs[f"{child.plural}_index"] for child in WATCHED_CHILD_KINDS],
         pods=kwargs["pod_index"],
         neighbours=Neighbours(config.operator_namespace, config.prometheus_namespace),
+        probe_interval=config.reprobe_seconds,
+        server_image=config.server_image,
     )
-    reprobe = asyncio.create_task(reconciler.reprobe_forever(config.reprobe_seconds))
-    memo.runtime = Runtime(api, prober, reconciler, reprobe)
+    memo.runtime = Runtime(api, reconciler)
 
 
 @kopf.on.cleanup(registry=registry)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime = memo.runtime
-    runtime.reprobe.cancel()
-    await runtime.prober.close()
+    await runtime.reconciler.close()
     await runtime.api.close()
 
 
@@ -88,6 +88,12 @@ def _key(namespace: str | None, name: str) -> TargetKey:
     return namespace, name
 
 
+@kopf.on.probe(id="probed_endpoints", registry=registry)
+async def probed_endpoints(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness detail: how many target-server endpoints are being probed."""
+    return memo.runtime.reconciler.probed_endpoints
+
+
 @kopf.index(GROUP, VERSION, PLURAL, registry=registry)
 async def target_index(
     namespace: str | None, name: str, meta: kopf.Meta, body: kopf.Body, **_: Any
@@ -99,6 +105,7 @@ async def target_index(
         spec=copy.deepcopy(dict(body.get("spec") or {})),
         status=copy.deepcopy(dict(body.get("status") or {})),
         deleting=meta.get("deletionTimestamp") is not None,
+        upgrade=(meta.get("annotations") or {}).get(ANNOTATION_UPGRADE),
     )
     return {_key(namespace, name): snapshot}
 
@@ -109,7 +116,7 @@ async def target_changed(
 ) -> None:
     reconciler: Reconciler = memo.runtime.reconciler
     key = _key(namespace, name)
-    if not reconciler.is_own_write(key, meta.get("resourceVersion", "")):
+    if not reconciler.is_own_write(key, meta.get("resourceVersion", ""), meta.get("generation", 0)):
         reconciler.request(key)
 
 
@@ -117,8 +124,10 @@ async def target_changed(
 async def pod_index(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> dict[TargetKey, Any]:
+    """Live pods by their target's instance label; a finished server pod (Failed, Succeeded) leaves it."""
     instance = labels.get(LABEL_INSTANCE)
-    return {_key(namespace, instance): pod_view(body)} if instance else {}
+    view = pod_view(body) if instance else None
+    return {_key(namespace, instance): view} if instance and view else {}
 
 
 @kopf.on.event(*POD_SELECTOR, labels=MANAGED_LABELS, registry=registry)
@@ -128,42 +137,16 @@ async def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Mem
         memo.runtime.reconciler.request_instance(*_key(namespace, instance))
 
 
-def _owner(meta: kopf.Meta) -> tuple[str, str] | None:
-    """The controlling Eagle3Target's (name, uid), if this object is one of a target's children."""
-    for ref in meta.get("ownerReferences") or []:
-        if (
-            ref.get("kind") == KIND
-            and ref.get("controller")
-            and ref.get("apiVersion", "").startswith(f"{GROUP}/")
-        ):
-            return ref["name"], ref["uid"]
-    return None
-
-
 async def child_index(
     namespace: str | None, meta: kopf.Meta, body: kopf.Body, **_: Any
 ) -> dict[TargetKey, Any]:
     """The index of one child kind (registered once per kind below): owned objects, by their target."""
-    owner = _owner(meta)
-    if owner is None:
-        return {}
-    raw = dict(body)
-    state = ChildState(
-        api_version=raw["apiVersion"],
-        kind=raw["kind"],
-        name=meta["name"],
-        uid=meta["uid"],
-        resource_version=meta.get("resourceVersion", ""),
-        owner_uid=owner[1],
-        essence=copy.deepcopy(essence(raw)),
-        deployment=deployment_view(raw) if raw["kind"] == "Deployment" else None,
-        job=job_view(raw) if raw["kind"] == "Job" else None,
-    )
-    return {_key(namespace, owner[0]): state}
+    owner = controlling_target(meta)
+    return {_key(namespace, owner[0]): child_state(dict(body), owner[1])} if owner else {}
 
 
 async def child_changed(namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    owner = _owner(meta)
+    owner = controlling_target(meta)
     if owner is not None:
         memo.runtime.reconciler.request(_key(namespace, owner[0]))
 

@@ -6,7 +6,6 @@ of only the keys that changed. All calls are async (kubernetes' aiohttp client),
 counted in the operator's metrics.
 """
 
-import base64
 import json
 import os
 import time
@@ -16,15 +15,16 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-from eagle3_target.protocol import API_VERSION, FIELD_MANAGER, KIND, PLURAL
+from eagle3_target.protocol import API_VERSION, FIELD_MANAGER, GROUP, KIND, PLURAL
 from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 
 from eagle3_operator import metrics
-from eagle3_operator.constants import CHILD_KINDS
+from eagle3_operator.constants import ANNOTATION_SCHEMA_VERSION, CHILD_KINDS
 from eagle3_operator.settings import OperatorConfig
-from eagle3_operator.status import timestamp
+from eagle3_operator.status import Failure, timestamp
 
+LEASES = "coordination.k8s.io/v1"
 DISCOVERY_TTL_SECONDS = 300.0
 
 # The kinds the operator owns, by (apiVersion, kind) → plural.
@@ -32,11 +32,43 @@ CHILD_PLURALS = {(child.api_version, child.kind): child.plural for child in CHIL
 
 
 class KubeError(Exception):
-    """An API call answered with an error status (or not at all)."""
+    """An API call answered with an error status (or not at all: status 0)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
+        self.message = message
+
+    def failure(self) -> Failure:
+        """What status reports when applying a child failed this way: a reason to act on, the server's words.
+
+        Admission denials (webhooks, ValidatingAdmissionPolicies) and ResourceQuotas are told apart by the
+        message; other 400/422 mean the spec renders to something the API server will not take, and other
+        403 is RBAC.
+        """
+        text = self.message.lower()
+        if "denied the request" in text or "denied request" in text:
+            reason = "AdmissionDenied"  # a webhook (often 403) or a ValidatingAdmissionPolicy (often 422)
+        elif self.status == 403 and "exceeded quota" in text:
+            reason = "QuotaExceeded"
+        elif self.status in (400, 422):
+            reason = "InvalidSpec"
+        elif self.status == 403:
+            reason = "Forbidden"
+        elif self.status == 409:
+            reason = "Conflict"
+        else:
+            reason = "ApplyFailed"
+        return Failure(
+            reason, f"the API server rejected a child (HTTP {self.status or 'no answer'}): {self.message}"
+        )
+
+
+class NameConflict(Exception):
+    """A child's name is taken by an object this target does not own: it is never taken over."""
+
+    def failure(self) -> Failure:
+        return Failure("NameConflict", str(self))
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,15 @@ class KubeApi:
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
         return await self._request("PATCH", path, query, manifest, "application/apply-patch+yaml")
 
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One child-kind object by name, or None when there is none."""
+        try:
+            return await self._request("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete one child, only if it is still the object observed (uid precondition); gone is fine."""
         # Background: the dependents go too (a Job's pods would otherwise be orphaned, its API's default).
@@ -130,26 +171,43 @@ class KubeApi:
         }
         await self._request("POST", collection_path("v1", "events", target.namespace), [], event)
 
-    async def read_secret_key(self, namespace: str, name: str, key: str) -> str | None:
-        """One decoded key of a Secret, or None if the Secret or key is missing."""
+    async def crd_schema_version(self) -> int | None:
+        """The installed Eagle3Target CRD's constants.ANNOTATION_SCHEMA_VERSION (0 when it has none), or None
+        when the CRD is not installed."""
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{PLURAL}.{GROUP}"
         try:
-            secret = await self._request(
-                "GET", f"{collection_path('v1', 'secrets', namespace)}/{quote(name)}"
-            )
+            crd = await self._request("GET", path)
         except KubeError as error:
             if error.status == 404:
                 return None
             raise
-        value = (secret.get("data") or {}).get(key)
-        return base64.b64decode(value).decode().strip() if value is not None else None
+        annotations = (crd.get("metadata") or {}).get("annotations") or {}
+        value = annotations.get(ANNOTATION_SCHEMA_VERSION, "0")
+        return int(value) if value.isdigit() else 0
 
-    async def serves(self, group_version: str) -> bool:
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", f"{collection_path(LEASES, 'leases', namespace)}/{quote(name)}")
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def write_lease(self, lease: dict[str, Any]) -> dict[str, Any]:
+        """Create a Lease, or replace it under its resourceVersion (409 when someone else wrote it since)."""
+        metadata = lease["metadata"]
+        collection = collection_path(LEASES, "leases", metadata["namespace"])
+        if metadata.get("resourceVersion"):
+            return await self._request("PUT", f"{collection}/{quote(metadata['name'])}", [], lease)
+        return await self._request("POST", collection, [], lease)
+
+    async def serves(self, group_version: str, max_age: float = DISCOVERY_TTL_SECONDS) -> bool:
         """Whether the API server serves an API group version (e.g. monitoring.coreos.com/v1).
 
-        Cached for a few minutes: asked on every pass, and a CRD installed later is still noticed.
+        Cached (asked on every pass), for at most `max_age` seconds: a CRD installed later is noticed.
         """
         cached = self._discovered.get(group_version)
-        if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_SECONDS:
+        if cached is not None and time.monotonic() - cached[0] < max_age:
             return cached[1]
         try:
             await self._request("GET", f"/apis/{group_version}")

@@ -1,54 +1,121 @@
-"""Ask target servers whether they serve, and what: GET /readyz, then GET /v1/info.
+"""Ask target servers whether they serve, and what (GET /readyz, then GET /v1/info), apart from reconciles.
 
-Probes are short (a slow server is reported as not ready, never waited for) and concurrent, and a global
-limit keeps hundreds of targets from opening hundreds of sockets at once. One shared httpx client reuses
-connections between rounds.
+Probing runs in its own tasks with its own concurrency bound, so a slow or hung server costs only a probe
+slot for one timeout and never holds a reconcile worker. Every tracked endpoint is probed on its own
+jittered period; the reconcile pass only reads the latest published result and is asked for again when a
+result changes. A serving endpoint is published as not ready only after `failure_threshold` consecutive
+failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never served is
+published as the probe finds it, so its error shows at once. /v1/info is immutable for a server's
+lifetime, so it is fetched once per serving streak and only /readyz is asked after that.
+
+Probes carry no credentials: /readyz and /v1/info answer without the token (the data routes do not), so
+nothing a resource's author writes can make the operator send a secret anywhere.
 """
 
 import asyncio
-from collections.abc import Mapping
+import logging
+import random
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import httpx
-from eagle3_target.protocol import HydrationProgress, LoadProgress, TargetInfo
+from eagle3_target.protocol import HydrationProgress, LoadProgress, ServedModel, TargetInfo
 from pydantic import ValidationError
 
+from eagle3_operator import metrics
 from eagle3_operator.status import ProbeResult
+
+logger = logging.getLogger(__name__)
+K = TypeVar("K", bound=Hashable)
 
 PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
 MAX_CONCURRENT_PROBES = 64
 MAX_NOT_READY_BODY = 64 * 1024  # a loading server's 503 is a few hundred bytes; anything larger is not read
+FAILURE_THRESHOLD = 3
+JITTER = 0.1  # each period is interval × (1 ± JITTER), so endpoints tracked together drift apart
+NOT_PROBED = ProbeResult(ready=False, error="not probed yet")
 
 
-class Prober:
-    def __init__(self, timeout: httpx.Timeout = PROBE_TIMEOUT, limit: int = MAX_CONCURRENT_PROBES) -> None:
+@dataclass
+class _Endpoint:
+    url: str
+    published: ProbeResult = NOT_PROBED
+    failures: int = 0  # consecutive failed probes
+    info: ServedModel | None = None  # /v1/info of the current serving streak
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class Prober(Generic[K]):
+    """Tracks endpoints per owner key (a target) and calls `on_change(key)` when a published result moves."""
+
+    def __init__(
+        self,
+        on_change: Callable[[K], None],
+        *,
+        interval: float,
+        failure_threshold: int = FAILURE_THRESHOLD,
+        timeout: httpx.Timeout = PROBE_TIMEOUT,
+        limit: int = MAX_CONCURRENT_PROBES,
+    ) -> None:
         # trust_env=False: probes go to pod IPs directly, never through a proxy from the environment.
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
         self._slots = asyncio.Semaphore(limit)
+        self._on_change = on_change
+        self._interval = interval
+        self._threshold = failure_threshold
+        self._endpoints: dict[K, dict[str, _Endpoint]] = {}
+
+    @property
+    def tracked(self) -> int:
+        """How many endpoints are being probed (the operator's liveness detail)."""
+        return sum(len(endpoints) for endpoints in self._endpoints.values())
+
+    def watch(self, key: K, addresses: Mapping[str, str]) -> dict[str, ProbeResult]:
+        """Probe exactly these endpoints (name → base URL) for `key` from now on; return their latest results.
+
+        New endpoints are probed at once and read NOT_PROBED until then; endpoints no longer listed stop.
+        """
+        endpoints = self._endpoints.setdefault(key, {})
+        for name in [n for n, e in endpoints.items() if addresses.get(n) != e.url]:
+            self._stop(endpoints.pop(name))
+        for name, url in addresses.items():
+            if name not in endpoints:
+                endpoint = endpoints[name] = _Endpoint(url.rstrip("/"))
+                endpoint.task = asyncio.create_task(self._run(key, endpoint), name=f"probe {url}")
+        if not endpoints:
+            del self._endpoints[key]
+        return {name: endpoint.published for name, endpoint in endpoints.items()}
+
+    def forget(self, key: K) -> None:
+        for endpoint in self._endpoints.pop(key, {}).values():
+            self._stop(endpoint)
 
     async def close(self) -> None:
+        for key in list(self._endpoints):
+            self.forget(key)
         await self._client.aclose()
 
-    async def probe_many(
-        self, addresses: Mapping[str, str], token: str | None = None
-    ) -> dict[str, ProbeResult]:
-        """Probe every address concurrently; keys are whatever the caller uses to name them (pod names)."""
-        keys = list(addresses)
-        results = await asyncio.gather(*(self.probe(addresses[key], token) for key in keys))
-        return dict(zip(keys, results, strict=True))
-
-    async def probe(self, base_url: str, token: str | None = None) -> ProbeResult:
-        """`token` is the target's bearer token (spec.auth): /v1/info needs it, /readyz does not."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        base = base_url.rstrip("/")
+    async def check(self, base_url: str, info: ServedModel | None = None) -> ProbeResult:
+        """One probe, never raising: /readyz, then /v1/info unless `info` is already known for this server."""
         async with self._slots:
             try:
-                ready = await self._client.get(f"{base}/readyz")
+                ready = await self._client.get(f"{base_url}/readyz")
                 if ready.status_code != 200:
-                    return _not_ready(ready)
-                info = await self._client.get(f"{base}/v1/info", headers=headers)
-            except httpx.TransportError as error:
-                return ProbeResult(ready=False, reachable=False, error=f"{type(error).__name__}: {error}")
-            return _parse_info(info)
+                    result = _not_ready(ready)
+                elif info is not None:
+                    result = ProbeResult(ready=True, info=info)
+                else:
+                    result = _parse_info(await self._client.get(f"{base_url}/v1/info"))
+            except httpx.TimeoutException as error:
+                error_text = f"no answer in time ({_name(error)})"
+                result = ProbeResult(ready=False, reachable=False, error=error_text)
+            except Exception as error:  # every failure is a result, never an escape:
+                # httpx's InvalidURL and StreamError are no HTTPErrors, and its connect path lets OSError,
+                # or an ExceptionGroup around OverflowError (a port > 65535), through.
+                result = ProbeResult(ready=False, reachable=False, error=f"{_name(error)}: {error}")
+        metrics.PROBES.labels(outcome="ready" if result.ready else "not_ready").inc()
+        return result
 
     async def hydration_progress(self, url: str) -> HydrationProgress | None:
         """What a running hydration pod says it has done; None when it does not answer (yet)."""
@@ -60,6 +127,40 @@ class Prober:
                 )
             except (httpx.TransportError, ValidationError):
                 return None
+
+    async def _run(self, key: K, endpoint: _Endpoint) -> None:
+        while True:
+            try:
+                result = await self.check(endpoint.url, endpoint.info)
+            except Exception as error:  # a bug must not end this endpoint's probing silently
+                logger.exception("probe of %s failed", endpoint.url)
+                result = ProbeResult(ready=False, error=f"probe failed: {_name(error)}")
+            if self._record(endpoint, result):
+                self._on_change(key)
+            await asyncio.sleep(self._interval * random.uniform(1 - JITTER, 1 + JITTER))
+
+    def _record(self, endpoint: _Endpoint, result: ProbeResult) -> bool:
+        """Apply one probe's result with hysteresis; whether the published result changed."""
+        if result.ready:
+            endpoint.failures, endpoint.info = 0, result.info
+            published = result
+        else:
+            endpoint.failures += 1
+            endpoint.info = None
+            holding = endpoint.published.ready and endpoint.failures < self._threshold
+            published = endpoint.published if holding else result
+        changed = published != endpoint.published
+        endpoint.published = published
+        return changed
+
+    @staticmethod
+    def _stop(endpoint: _Endpoint) -> None:
+        if endpoint.task is not None:
+            endpoint.task.cancel()
+
+
+def _name(error: BaseException) -> str:
+    return type(error).__name__
 
 
 def _not_ready(response: httpx.Response) -> ProbeResult:

@@ -1,22 +1,24 @@
-"""One level-based reconcile per target: children in place, servers probed, status written only on change.
+"""One level-based reconcile per target: children in place, probe results read, status written on change.
 
-Every trigger (the target changed, a child or pod changed, the periodic re-probe) just asks for a pass over
-one target; requests that arrive while a pass runs fold into a single follow-up pass. A pass reads only
-in-memory state (kopf's indexes of the target, its children and its pods), so it makes API calls only to
-change something: a child that differs from what is rendered (or is missing, or should not exist) is
-applied or deleted, and the status is patched with just the keys that changed.
+Every trigger (the target changed, a child or pod changed, a probe result changed, a startup deadline came)
+just asks for a pass over one target; requests that arrive while a pass runs fold into a single follow-up
+pass. A pass reads only in-memory state (kopf's indexes of the target, its children and its pods, and the
+prober's latest results), so it makes API calls only to change something: a child that differs from what is
+rendered (or is missing, or should not exist) is applied or deleted, and the status is patched with just
+the keys that changed. Probing never happens inside a pass (probe.py), so a hung server cannot hold a
+reconcile worker.
 """
 
 import asyncio
-import hashlib
-import json
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+from eagle3_target.protocol import GROUP, KIND
 from kubernetes.utils import parse_quantity
 
 from eagle3_operator import metrics
@@ -26,29 +28,39 @@ from eagle3_operator.constants import (
     LABEL_INSTANCE,
     POD_MONITOR_API_VERSION,
 )
-from eagle3_operator.kube import KubeApi, KubeError, TargetRef
+from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef
 from eagle3_operator.probe import Prober
 from eagle3_operator.render import (
+    DEFAULT_IMAGE,
+    ImagePin,
     Neighbours,
     build_children,
+    child_name,
     hf_revision,
     hydration_job_name,
     label_selector,
+    model_identity,
+    pin_image,
+    rendered_digest,
     selector_labels,
+    server_args,
     service_url,
 )
-from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
+from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status import (
     DeploymentView,
+    Failure,
     Hydration,
     JobView,
     Observation,
     PodView,
-    ProbeResult,
+    Transition,
     compute_status,
     deployment_view,
     describe_progress,
+    endpoint_address,
     hydration_state,
+    job_view,
     status_patch,
     transitions,
 )
@@ -57,13 +69,15 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TargetKey = tuple[str, str]  # (namespace, name)
-SECRET_TTL_SECONDS = 60.0
 MAX_CONCURRENT_RECONCILES = 32
-RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-# Children whose kind has no index (its CRD may not even exist): applied when the rendering changes only, and
-# deleted when no longer rendered if this operator process applied them.
+# Waits before another try after a failed pass or a refused apply (the last repeats): a refused apply is
+# not tried again before its wait is over unless the rendering changes.
+RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Children whose kind has no index (its CRD may not even exist): looked up by name once per operator
+# process, then known from this process's own applies.
 UNWATCHED_KINDS = frozenset(child.kind for child in CHILD_KINDS if not child.watched)
-REJECTED = (400, 422)  # the API server will not take the child as rendered: no retry can help
+# How often a target that wants a PodMonitor looks for prometheus-operator's API while it is not served.
+MONITOR_RECHECK_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class TargetSnapshot:
     spec: Mapping[str, Any]
     status: Mapping[str, Any]
     deleting: bool
+    upgrade: str | None = None  # the target's constants.ANNOTATION_UPGRADE
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,33 @@ class ChildState:
     essence: Mapping[str, Any]  # metadata labels/annotations/ownerReferences and spec: what drift compares
     deployment: DeploymentView | None = None
     job: JobView | None = None
+
+
+def controlling_target(metadata: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The controlling Eagle3Target's (name, uid), if the object is one of a target's children."""
+    for ref in metadata.get("ownerReferences") or []:
+        if (
+            ref.get("kind") == KIND
+            and ref.get("controller")
+            and ref.get("apiVersion", "").startswith(f"{GROUP}/")
+        ):
+            return ref["name"], ref["uid"]
+    return None
+
+
+def child_state(body: Mapping[str, Any], owner_uid: str) -> ChildState:
+    metadata = body["metadata"]
+    return ChildState(
+        api_version=body["apiVersion"],
+        kind=body["kind"],
+        name=metadata["name"],
+        uid=metadata["uid"],
+        resource_version=metadata.get("resourceVersion", ""),
+        owner_uid=owner_uid,
+        essence=copy.deepcopy(essence(body)),
+        deployment=deployment_view(body) if body["kind"] == "Deployment" else None,
+        job=job_view(body) if body["kind"] == "Job" else None,
+    )
 
 
 def essence(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,10 +169,6 @@ def matches(desired: Any, observed: Any) -> bool:
     return False
 
 
-def _digest(manifest: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
-
-
 @dataclass
 class _Memory:
     """What the reconciler remembers about one target between passes (lost on restart, rebuilt by a pass)."""
@@ -141,31 +179,51 @@ class _Memory:
     # Target resourceVersions that this operator's own status writes have superseded: while the index shows
     # one of them, it has not caught up with the last write, and the written status stands in for the stored.
     superseded: set[str] = field(default_factory=set)
-    applied: dict[tuple[str, str], tuple[str, str]] = field(
-        default_factory=dict
-    )  # (kind, name) -> digest, rv
-    # Children of UNWATCHED_KINDS this operator applied, (kind, name) -> (apiVersion, uid): no index shows
-    # them, so this is how one that is no longer wanted is found and deleted.
-    unwatched: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
-    failures: int = 0
+    generation: int = 0  # of the last pass
+    # (kind, name) -> the resourceVersion this process's last apply left: unchanged since, it needs no check.
+    applied: dict[tuple[str, str], str] = field(default_factory=dict)
+    # What this process knows of children of UNWATCHED_KINDS (no index shows them): (kind, name) -> state,
+    # None when looked up and absent. Filled by one lookup per process, then by applies.
+    unwatched: dict[tuple[str, str], ChildState | None] = field(default_factory=dict)
+    failures: int = 0  # consecutive failed passes or refused applies
+    # The last refused apply: the rendering's digests, what status reports, and when to try again.
+    refused: tuple[tuple[str, ...], Failure, float] | None = None
+    unknown: tuple[str, ...] = ()  # spec fields this operator does not know, already warned about
+    monitor_recheck: asyncio.TimerHandle | None = None  # the pass asked for to see if PodMonitors exist yet
+    pin: ImagePin = field(default_factory=ImagePin)  # the server image of the last rendering
+    wakeup: asyncio.TimerHandle | None = None  # the pass asked for at the next startup deadline
+
+    def cancel_wakeup(self) -> None:
+        if self.wakeup is not None:
+            self.wakeup.cancel()
+            self.wakeup = None
+
+    def cancel_timers(self) -> None:
+        self.cancel_wakeup()
+        if self.monitor_recheck is not None:
+            self.monitor_recheck.cancel()
+            self.monitor_recheck = None
 
 
 class Reconciler:
     def __init__(
         self,
         api: KubeApi,
-        prober: Prober,
         *,
         targets: Mapping[TargetKey, Iterable[TargetSnapshot]],
         children: Iterable[Mapping[TargetKey, Iterable[ChildState]]],
         pods: Mapping[TargetKey, Iterable[PodView]],
         neighbours: Neighbours | None = None,
+        probe_interval: float,
+        server_image: str = DEFAULT_IMAGE,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
-        """`targets`, `children` and `pods` are kopf indexes (key → the values indexed under it)."""
+        """`targets`, `children` and `pods` are kopf indexes (key → the values indexed under it);
+        `server_image` is what new targets without spec.image run."""
         self._api = api
         self._neighbours = neighbours or Neighbours()
-        self._prober = prober
+        self._server_image = server_image
+        self._prober: Prober[TargetKey] = Prober(self.request, interval=probe_interval)
         self._targets = targets
         self._children = list(children)
         self._pods = pods
@@ -174,7 +232,6 @@ class Reconciler:
         self._pending: set[TargetKey] = set()
         self._workers: dict[TargetKey, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_RECONCILES)
-        self._secrets: dict[tuple[str, str, str], tuple[float, str]] = {}  # (ns, name, key) -> (when, token)
         self._instances: dict[TargetKey, str] = {}  # (namespace, pod instance label) -> target name
         self._published: dict[TargetKey, tuple[str, int]] = {}  # what the target gauges count: phase, ready
 
@@ -194,18 +251,24 @@ class Reconciler:
     def known_targets(self) -> int:
         return len(self._memory)
 
-    def is_own_write(self, key: TargetKey, resource_version: str) -> bool:
-        """Whether a target event is only the echo of the status this reconciler just wrote."""
+    def is_own_write(self, key: TargetKey, resource_version: str, generation: int) -> bool:
+        """Whether a target event is only the echo of the status this reconciler just wrote (a relisted
+        event can carry that resourceVersion and a spec change both: the generation tells)."""
         memory = self._memory.get(key)
-        return memory is not None and memory.written_version == resource_version
+        return (
+            memory is not None
+            and memory.written_version == resource_version
+            and memory.generation == generation
+        )
 
-    async def reprobe_forever(self, interval: float) -> None:
-        """Notice servers becoming (un)ready, which no Kubernetes event announces; writes only on change."""
-        while True:
-            await asyncio.sleep(interval)
-            for key in list(self._memory):
-                if self._pods_of(key) or self._is_external(key):
-                    self.request(key)
+    @property
+    def probed_endpoints(self) -> int:
+        return self._prober.tracked
+
+    async def close(self) -> None:
+        for memory in self._memory.values():
+            memory.cancel_timers()
+        await self._prober.close()
 
     async def _work(self, key: TargetKey) -> None:
         try:
@@ -221,12 +284,9 @@ class Reconciler:
         try:
             result = await self.reconcile(key)
         except Exception as error:  # The worker's boundary: log, back off, try again; never lose the target.
-            memory = self._memory.setdefault(key, _Memory())
-            delay = RETRY_DELAYS[min(memory.failures, len(RETRY_DELAYS) - 1)]
-            memory.failures += 1
+            delay = self._retry_later(key, self._memory.setdefault(key, _Memory()))
             log = logger.warning if isinstance(error, KubeError | OSError) else logger.exception
             log("reconcile of %s/%s failed, retrying in %.0fs: %s", *key, delay, error)
-            asyncio.get_running_loop().call_later(delay, self.request, key)
             result = "error"
         metrics.RECONCILES.labels(result=result).inc()
         metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
@@ -242,22 +302,16 @@ class Reconciler:
             memory = self._memory[key] = _Memory(uid=snapshot.uid)
         namespace, name = key
         self._instances[namespace, selector_labels(name)[LABEL_INSTANCE]] = name
+        memory.generation = snapshot.generation
         try:
             spec = Eagle3TargetSpec.parse(dict(snapshot.spec))
         except InvalidSpec as error:
             observation = Observation(generation=snapshot.generation, spec=None, spec_error=str(error))
         else:
-            try:
-                applied = await self._sync_children(key, snapshot, spec, memory)
-            except KubeError as error:
-                if error.status not in REJECTED:
-                    raise
-                # The spec renders to a child the API server refuses (e.g. an admission policy): retrying
-                # cannot help until the spec changes, so report it the way an invalid spec is reported.
-                message = f"the API server rejected a child: {error}"
-                observation = Observation(generation=snapshot.generation, spec=None, spec_error=message)
-            else:
-                observation = await self._observe(key, snapshot, spec, applied)
+            await self._warn_unknown_fields(key, snapshot, memory)
+            applied, refused = await self._sync_children(key, snapshot, spec, memory)
+            observation = await self._observe(key, snapshot, spec, memory, applied, refused)
+        self._wake_at_startup_deadline(key, memory, observation)
         lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
         if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
             memory.superseded.clear()
@@ -283,89 +337,189 @@ class Reconciler:
             memory.superseded |= {snapshot.resource_version, memory.written_version or ""}
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
-        memory.failures = 0
+        if observation.apply_failure is None:
+            memory.failures = 0
         self._published[key] = (status["phase"], status.get("readyReplicas") or 0)
         metrics.publish_targets(self._published.values())
-        return "ok" if observation.spec is not None else "invalid_spec"
+        if observation.spec is None:
+            return "invalid_spec"
+        return "ok" if observation.apply_failure is None else "apply_refused"
+
+    def _retry_later(self, key: TargetKey, memory: _Memory) -> float:
+        """Ask for another pass after the next backoff delay; returns the delay."""
+        delay = RETRY_DELAYS[min(memory.failures, len(RETRY_DELAYS) - 1)]
+        memory.failures += 1
+        asyncio.get_running_loop().call_later(delay, self.request, key)
+        return delay
 
     async def _sync_children(
         self, key: TargetKey, snapshot: TargetSnapshot, spec: Eagle3TargetSpec, memory: _Memory
-    ) -> dict[str, dict[str, Any]]:
-        """Apply what differs from the rendering, delete what should not exist; return what was applied."""
+    ) -> tuple[dict[str, dict[str, Any]], Failure | None]:
+        """Apply what differs from the rendering, delete what should not exist.
+
+        Returns what was applied, and why applying failed if it did: every refusal (admission, quota,
+        RBAC, conflicts, 5xx, no answer) or a name taken by someone else is reported in status, and not
+        tried again before its backoff delay unless the rendering changes.
+        """
         namespace, name = key
-        monitor_wanted = spec.monitoring.pod_monitor.enabled and not spec.external
-        monitors = monitor_wanted and await self._api.serves(POD_MONITOR_API_VERSION)
-        observed = {
-            (child.kind, child.name): child
-            for child in self._owned_children(key)
-            if child.owner_uid == snapshot.uid
+        digests: tuple[str, ...] = ()
+        try:
+            monitors = await self._pod_monitors_served(key, spec, memory)
+            deployment = next(
+                (
+                    c.essence
+                    for c in self._owned_children(key)
+                    if c.kind == "Deployment" and c.owner_uid == snapshot.uid
+                ),
+                None,
+            )
+            pin = memory.pin = pin_image(deployment, snapshot.upgrade, self._server_image)
+            job_name = hydration_job_name(name, spec, pin)
+            job = next((c.job for c in self._owned_children(key) if c.job and c.job.name == job_name), None)
+            hydrated = job_name is None or (job is not None and job.complete)
+            desired = build_children(
+                name,
+                namespace,
+                snapshot.uid,
+                spec,
+                pod_monitor_supported=monitors,
+                neighbours=self._neighbours,
+                hydrated=hydrated,
+                pin=pin,
+            )
+            digests = tuple(rendered_digest(manifest) or "" for manifest in desired)
+            if memory.refused is not None:
+                refused_digests, failure, retry_at = memory.refused
+                if refused_digests == digests and time.monotonic() < retry_at:
+                    return {}, failure
+            applied = await self._apply_children(key, snapshot.uid, desired, memory, monitors, hydrated)
+        except (KubeError, NameConflict) as error:
+            failure = error.failure()
+            delay = self._retry_later(key, memory)
+            logger.warning("%s/%s: %s; trying again in %.0fs", namespace, name, failure.message, delay)
+            memory.refused = (digests, failure, time.monotonic() + delay)
+            return {}, failure
+        memory.refused = None
+        return applied, None
+
+    async def _pod_monitors_served(self, key: TargetKey, spec: Eagle3TargetSpec, memory: _Memory) -> bool:
+        """Whether PodMonitors can exist. A target that wants one looks again soon when they cannot (its CRD
+        may be installed any time): discovery is asked at most every MONITOR_RECHECK_SECONDS for it."""
+        if spec.external:
+            return False
+        wanted = spec.monitoring.pod_monitor.enabled
+        max_age = MONITOR_RECHECK_SECONDS if wanted else DISCOVERY_TTL_SECONDS
+        served = await self._api.serves(POD_MONITOR_API_VERSION, max_age=max_age)
+        if wanted and not served and memory.monitor_recheck is None:
+
+            def recheck() -> None:
+                memory.monitor_recheck = None
+                self.request(key)
+
+            memory.monitor_recheck = asyncio.get_running_loop().call_later(MONITOR_RECHECK_SECONDS, recheck)
+        return served
+
+    async def _apply_children(
+        self,
+        key: TargetKey,
+        uid: str,
+        desired: list[dict[str, Any]],
+        memory: _Memory,
+        monitors: bool,
+        hydrated: bool,
+    ) -> dict[str, dict[str, Any]]:
+        namespace, name = key
+        if monitors:
+            await self._look_up_unwatched(namespace, name, uid, memory)
+        observed: dict[tuple[str, str], ChildState] = {
+            (child.kind, child.name): child for child in self._owned_children(key) if child.owner_uid == uid
         }
-        job_name = hydration_job_name(name, spec)
-        job = observed.get(("Job", job_name)) if job_name is not None else None
-        hydrated = job_name is None or (job is not None and job.job is not None and job.job.complete)
-        desired = build_children(
-            name,
-            namespace,
-            snapshot.uid,
-            spec,
-            pod_monitor_supported=monitors,
-            neighbours=self._neighbours,
-            hydrated=hydrated,
-        )
+        observed |= {child_key: state for child_key, state in memory.unwatched.items() if state is not None}
         applied: dict[str, dict[str, Any]] = {}
         for manifest in desired:
             child_key = (manifest["kind"], manifest["metadata"]["name"])
             current = observed.pop(child_key, None)
             if manifest["kind"] == "Deployment" and not hydrated and current is not None:
                 continue  # Held as is (its pods may serve a previous revision) until the download completes.
-            digest = _digest(manifest)
-            if manifest["kind"] in UNWATCHED_KINDS and memory.applied.get(child_key, ("",))[0] == digest:
-                continue
-            if current is not None and (
-                memory.applied.get(child_key) == (digest, current.resource_version)
-                or matches(essence(manifest), current.essence)
-            ):
+            if current is None and child_key not in memory.applied:
+                current = await self._existing(manifest, namespace, name)
+            if current is not None and not self._differs(manifest, current, memory):
                 continue
             result = await self._api.apply(manifest)
             metrics.CHILD_APPLIES.labels(kind=manifest["kind"]).inc()
-            result_metadata = result.get("metadata") or {}
-            memory.applied[child_key] = (digest, result_metadata.get("resourceVersion", ""))
+            memory.applied[child_key] = (result.get("metadata") or {}).get("resourceVersion", "")
             if manifest["kind"] in UNWATCHED_KINDS:
-                memory.unwatched[child_key] = (manifest["apiVersion"], result_metadata.get("uid", ""))
+                memory.unwatched[child_key] = child_state(result, uid)
             applied[manifest["kind"]] = result
-        rendered = {(m["kind"], m["metadata"]["name"]) for m in desired}
-        unwanted = [
-            ChildState(api_version, kind, name, uid, "", snapshot.uid, {})
-            for (kind, name), (api_version, uid) in memory.unwatched.items()
-            if (kind, name) not in rendered
-        ]
-        for child in [*observed.values(), *unwanted]:
+        for child in observed.values():
             await self._api.delete(child.api_version, child.kind, namespace, child.name, child.uid)
             memory.applied.pop((child.kind, child.name), None)
-            memory.unwatched.pop((child.kind, child.name), None)
+            memory.unwatched[child.kind, child.name] = None
         return applied
+
+    async def _existing(self, manifest: Mapping[str, Any], namespace: str, target: str) -> ChildState | None:
+        """A child the indexes do not show (yet): absent, ours (a watch lagging, or left by an earlier
+        target of this name, which the apply re-owns), or someone else's (NameConflict: never taken)."""
+        kind, child = manifest["kind"], manifest["metadata"]["name"]
+        body = await self._api.get(manifest["apiVersion"], kind, namespace, child)
+        if body is None:
+            return None
+        owner = controlling_target(body.get("metadata") or {})
+        if owner is None or owner[0] != target:
+            refs = [f"{r.get('kind')}/{r.get('name')}" for r in body["metadata"].get("ownerReferences") or []]
+            held = f"owned by {', '.join(refs)}" if refs else "not owned by any Eagle3Target"
+            raise NameConflict(
+                f"{kind} {namespace}/{child} already exists and is {held}; this target never takes it over:"
+                " delete or rename that object, or give the target another name"
+            )
+        return child_state(body, owner[1])
+
+    async def _look_up_unwatched(self, namespace: str, target: str, uid: str, memory: _Memory) -> None:
+        """Once per process, find this target's PodMonitor by its name (no index shows PodMonitors), so one
+        left by an earlier operator process is updated or deleted, not orphaned."""
+        child_key = ("PodMonitor", child_name(target))
+        if child_key in memory.unwatched:
+            return
+        manifest = {
+            "apiVersion": POD_MONITOR_API_VERSION,
+            "kind": "PodMonitor",
+            "metadata": {"name": child_key[1]},
+        }
+        try:
+            state = await self._existing(manifest, namespace, target)
+        except NameConflict:
+            state = None  # someone else's: left alone (and reported if the spec asks for a PodMonitor)
+        memory.unwatched[child_key] = state if state is None or state.owner_uid == uid else None
+
+    @staticmethod
+    def _differs(manifest: Mapping[str, Any], current: ChildState, memory: _Memory) -> bool:
+        """Whether to apply: the rendering moved (its digest), or someone else changed the child (drift)."""
+        if rendered_digest(current.essence) != rendered_digest(manifest):
+            return True
+        child_key = (manifest["kind"], manifest["metadata"]["name"])
+        if memory.applied.get(child_key) == current.resource_version:
+            return False  # exactly what this process's last apply left
+        return not matches(essence(manifest), current.essence)
 
     async def _observe(
         self,
         key: TargetKey,
         snapshot: TargetSnapshot,
         spec: Eagle3TargetSpec,
+        memory: _Memory,
         applied: Mapping[str, Mapping[str, Any]],
+        refused: Failure | None,
     ) -> Observation:
         namespace, name = key
-        token = await self._token(namespace, spec)
         if spec.external:
             url = service_url(name, namespace, spec)
-            external = {} if spec.suspend else await self._prober.probe_many({url: url}, token)
-            _count(external)
-            return Observation(generation=snapshot.generation, spec=spec, url=url, probes=external)
+            probes = self._prober.watch(key, {} if spec.suspend else {url: url})
+            return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
         deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
         pods = [pod for pod in self._pods_of(key) if not pod.hydration]
         # Pods not ready yet are probed too: a loading server's 503 says how far it has come.
-        running = {p.name: f"http://{p.ip}:{spec.port}" for p in pods if p.ip and not p.terminating}
-        probes: dict[str, ProbeResult] = await self._prober.probe_many(running, token) if running else {}
-        _count(probes)
+        running = {p.name: endpoint_address(p.ip, spec.port) for p in pods if p.ip and not p.terminating}
         return Observation(
             generation=snapshot.generation,
             spec=spec,
@@ -373,13 +527,15 @@ class Reconciler:
             selector=label_selector(name),
             deployment=deployment,
             pods=pods,
-            probes=probes,
-            hydration=await self._hydration(key, spec),
+            probes=self._prober.watch(key, running),
+            identity=model_identity(server_args(spec)),
+            apply_failure=refused,
+            hydration=await self._hydration(key, spec, memory.pin),
         )
 
-    async def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec) -> Hydration | None:
+    async def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec, pin: ImagePin) -> Hydration | None:
         """The download's state, from the hydration Job and its pods; its progress from the running pod."""
-        job_name = hydration_job_name(key[1], spec)
+        job_name = hydration_job_name(key[1], spec, pin)
         if job_name is None:
             return None
         source = spec.hugging_face
@@ -388,37 +544,56 @@ class Reconciler:
             (c.job for c in self._owned_children(key) if c.job is not None and c.job.name == job_name), None
         )
         pods = [pod for pod in self._pods_of(key) if pod.hydration and not pod.terminating]
-        running = [p for p in pods if p.ip and not p.finished]
+        running = [p.ip for p in pods if p.ip and not p.finished]
         progress = None
         if running and not (job is not None and job.complete):
-            url = f"http://{running[0].ip}:{HYDRATION_PROGRESS_PORT}"
+            url = endpoint_address(running[0], HYDRATION_PROGRESS_PORT)
             progress = describe_progress(await self._prober.hydration_progress(url))
         return hydration_state(described, job, pods, progress)
 
-    async def _token(self, namespace: str, spec: Eagle3TargetSpec) -> str | None:
-        """The bearer token /v1/info needs when spec.auth is set; cached briefly (it is read per pass)."""
-        if spec.auth is None:
-            return None
-        ref = spec.auth.token_secret_ref
-        cache_key = (namespace, ref.name, ref.key)
-        cached = self._secrets.get(cache_key)
-        if cached is not None and time.monotonic() - cached[0] < SECRET_TTL_SECONDS:
-            return cached[1]
-        token = await self._api.read_secret_key(namespace, ref.name, ref.key)
-        if token is not None:  # A missing Secret is looked up again next pass: it may be created any moment.
-            self._secrets[cache_key] = (time.monotonic(), token)
-        return token
+    def _wake_at_startup_deadline(self, key: TargetKey, memory: _Memory, observation: Observation) -> None:
+        """StartupTimeout is the one verdict time alone changes: ask for a pass when the next one falls."""
+        spec = observation.spec
+        memory.cancel_wakeup()
+        if spec is None or spec.external:
+            return
+        budget = timedelta(seconds=spec.startup_timeout_seconds)
+        now = self._clock()
+        deadlines = [
+            pod.started + budget
+            for pod in observation.pods
+            if pod.started is not None and not pod.ready and pod.started + budget > now
+        ]
+        if deadlines:
+            delay = (min(deadlines) - now).total_seconds() + 1
+            memory.wakeup = asyncio.get_running_loop().call_later(delay, self.request, key)
 
     async def _announce(
         self, target: TargetRef, previous: Mapping[str, Any], status: Mapping[str, Any]
     ) -> None:
         for event in transitions(previous, status):
-            try:
-                await self._api.post_event(target, event.type, event.reason, event.message)
-            except KubeError as error:  # An event is a courtesy: never fail the pass over it.
-                logger.info(
-                    "could not post event %s on %s/%s: %s", event.reason, target.namespace, target.name, error
-                )
+            await self._post_event(target, event)
+
+    async def _post_event(self, target: TargetRef, event: Transition) -> None:
+        try:
+            await self._api.post_event(target, event.type, event.reason, event.message)
+        except KubeError as error:  # An event is a courtesy: never fail the pass over it.
+            logger.info(
+                "could not post event %s on %s/%s: %s", event.reason, target.namespace, target.name, error
+            )
+
+    async def _warn_unknown_fields(self, key: TargetKey, snapshot: TargetSnapshot, memory: _Memory) -> None:
+        """Once per set of fields (per process): fields of a newer CRD are ignored, and said so."""
+        unknown = tuple(unknown_fields(snapshot.spec))
+        if not unknown or unknown == memory.unknown:
+            return
+        memory.unknown = unknown
+        message = (
+            f"ignoring {', '.join(unknown)}: this operator does not know these fields (the installed CRD is"
+            " newer than the operator; upgrade the operator to use them)"
+        )
+        logger.warning("%s/%s: %s", *key, message)
+        await self._post_event(TargetRef(*key, snapshot.uid), Transition("Warning", "UnknownFields", message))
 
     def _pods_of(self, key: TargetKey) -> list[PodView]:
         """Pods are indexed by their instance label, which is the target's name fitted to a label value."""
@@ -428,12 +603,11 @@ class Reconciler:
     def _owned_children(self, key: TargetKey) -> list[ChildState]:
         return [child for index in self._children for child in index.get(key) or ()]
 
-    def _is_external(self, key: TargetKey) -> bool:
-        snapshot = _only(self._targets.get(key))
-        return snapshot is not None and bool(snapshot.spec.get("endpoint"))
-
     def _forget(self, key: TargetKey) -> None:
-        self._memory.pop(key, None)
+        memory = self._memory.pop(key, None)
+        if memory is not None:
+            memory.cancel_timers()
+        self._prober.forget(key)
         self._instances.pop((key[0], selector_labels(key[1])[LABEL_INSTANCE]), None)
         self._published.pop(key, None)
         metrics.publish_targets(self._published.values())
@@ -442,8 +616,3 @@ class Reconciler:
 def _only(values: Iterable[T] | None) -> T | None:
     """The single value a kopf index holds under a key (None if nothing is indexed there)."""
     return next(iter(values), None) if values is not None else None
-
-
-def _count(probes: Mapping[str, ProbeResult]) -> None:
-    for result in probes.values():
-        metrics.PROBES.labels(outcome="ready" if result.ready else "not_ready").inc()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
@@ -18,6 +19,9 @@ from eagle3_target.engines import ENGINES
 from eagle3_target.protocol import API_VERSION, KIND
 
 from eagle3_operator.constants import (
+    ANNOTATION_RENDERED_DIGEST,
+    ANNOTATION_SERVER_IMAGE,
+    ANNOTATION_UPGRADE,
     APP_NAME,
     AUTH_MOUNT,
     COMPONENT,
@@ -37,7 +41,8 @@ from eagle3_operator.constants import (
 )
 from eagle3_operator.spec import GPU_RESOURCE, Eagle3TargetSpec
 
-# Targets that name no image run the server release matching this operator.
+# The server image new targets that name no image get: the release matching this operator (the operator's
+# --server-image overrides it, e.g. for a registry mirror).
 DEFAULT_IMAGE = f"ghcr.io/eagle3-dev/eagle3-target:{version('eagle3-target')}"
 PORT_NAME = "http"
 METRICS_PORT_NAME = "metrics"
@@ -50,6 +55,31 @@ RUN_AS_GROUP = 0
 STARTUP_PERIOD_SECONDS = 10
 NAME_LIMIT = 63
 _HASH_LENGTH = 8
+
+
+@dataclass(frozen=True)
+class ImagePin:
+    """The server image a target runs when spec.image is unset, and the upgrade request that chose it."""
+
+    image: str = DEFAULT_IMAGE
+    upgrade: str | None = None
+
+
+def pin_image(deployment: Mapping[str, Any] | None, upgrade: str | None, operator_image: str) -> ImagePin:
+    """Which server image a target keeps: the one its Deployment was rendered with, unless the target asks
+    for an upgrade the Deployment has not seen (then the operator's image). `deployment` is the stored one
+    (its metadata and spec at least), None when there is none yet."""
+    if deployment is None:
+        return ImagePin(operator_image, upgrade)
+    annotations = (deployment.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(ANNOTATION_UPGRADE) != upgrade:
+        return ImagePin(operator_image, upgrade)
+    pinned = annotations.get(ANNOTATION_SERVER_IMAGE)
+    if pinned is None:  # rendered before images were pinned: keep the server image it runs
+        containers = ((deployment.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers")
+        pinned = next((c.get("image") for c in containers or [] if c.get("name") == SERVER_CONTAINER), None)
+    return ImagePin(pinned or operator_image, upgrade)
+
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -182,6 +212,29 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
     return args
 
 
+# The server flags that decide which model a pod serves, and so its /v1/info fingerprint; the others only
+# tune how it is served.
+MODEL_IDENTITY_FLAGS = frozenset(
+    {"--model", "--engine", "--model-name", "--revision", "--dtype", "--aux-layer-ids"}
+)
+
+
+def model_identity(command: Sequence[str]) -> tuple[str, ...]:
+    """The model-deciding part of a server command line: its identity flags with their values, in order.
+
+    Pods whose commands share it serve the same model, so old pods of a rollout that keeps the model still
+    serve the current generation's model. (Flag values never start with "--".)
+    """
+    kept: list[str] = []
+    keep = False
+    for arg in command:
+        if arg.startswith("--"):
+            keep = arg in MODEL_IDENTITY_FLAGS
+        if keep:
+            kept.append(arg)
+    return tuple(kept)
+
+
 def _resources(spec: Eagle3TargetSpec) -> dict[str, Any]:
     requests = dict(spec.resources.requests)
     limits = dict(spec.resources.limits)
@@ -285,8 +338,8 @@ def _placement_and_pulls(spec: Eagle3TargetSpec) -> dict[str, Any]:
     return shared
 
 
-def _hydration_job_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
-    image = spec.image or DEFAULT_IMAGE
+def _hydration_job_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dict[str, Any]:
+    image = spec.image or pin.image
     pod: dict[str, Any] = {
         # Never: a failed attempt stays as a pod whose termination message says why; the Job retries.
         "restartPolicy": "Never",
@@ -313,21 +366,21 @@ def _hydration_job_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
     }
 
 
-def hydration_job_name(name: str, spec: Eagle3TargetSpec) -> str | None:
+def hydration_job_name(name: str, spec: Eagle3TargetSpec, pin: ImagePin = ImagePin()) -> str | None:
     """The hydration Job's name for this spec (None without a huggingFace source). It changes with what the
     Job would do, because a Job's pod template cannot change: a new source, revision, claim or image gets a
     new Job, which finds a snapshot that is already complete marked and ends at once."""
     if spec.model is None or spec.model.source is None or spec.model.source.hugging_face is None:
         return None
-    digest = _short_hash(json.dumps(_hydration_job_spec(name, spec), sort_keys=True))
+    digest = _short_hash(json.dumps(_hydration_job_spec(name, spec, pin), sort_keys=True))
     return _fit(f"{child_name(name)[: NAME_LIMIT - 2 * _HASH_LENGTH - 11]}-hydrate-{digest}")
 
 
 def build_hydration_job(
-    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], pin: ImagePin = ImagePin()
 ) -> dict[str, Any] | None:
     """One download per (repository, revision, cache claim): a Job that fills the claim for every replica."""
-    job_name = hydration_job_name(name, spec)
+    job_name = hydration_job_name(name, spec, pin)
     if job_name is None:
         return None
     metadata = _metadata(job_name, name, namespace, owner)
@@ -336,7 +389,7 @@ def build_hydration_job(
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": metadata,
-        "spec": _hydration_job_spec(name, spec),
+        "spec": _hydration_job_spec(name, spec, pin),
     }
 
 
@@ -367,8 +420,8 @@ def _topology_spread(name: str, spec: Eagle3TargetSpec) -> list[dict[str, Any]]:
     return constraints
 
 
-def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
-    image = spec.image or DEFAULT_IMAGE
+def _pod_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dict[str, Any]:
+    image = spec.image or pin.image
     model_volume, model_mount = _model_volume(spec)
     shm = {"medium": "Memory", "sizeLimit": spec.shm_size}
     volumes = [model_volume, {"name": "dshm", "emptyDir": shm}]
@@ -435,16 +488,26 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec) -> dict[str, Any]:
 
 
 def build_deployment(
-    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], *, hydrated: bool = True
+    name: str,
+    namespace: str,
+    spec: Eagle3TargetSpec,
+    owner: dict[str, Any],
+    pin: ImagePin = ImagePin(),
+    *,
+    hydrated: bool = True,
 ) -> dict[str, Any]:
     """One pod per replica. By default updates replace pods one at a time without surging: GPUs are the
     constraint (spec.rollout changes that where spare GPUs are certain). Until the model cache is hydrated
     no pod is asked for: it would only hold its GPUs while it waits."""
     rollout = {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}
+    metadata = _metadata(child_name(name), name, namespace, owner)
+    metadata["annotations"] = {ANNOTATION_SERVER_IMAGE: pin.image}
+    if pin.upgrade is not None:
+        metadata["annotations"][ANNOTATION_UPGRADE] = pin.upgrade
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(child_name(name), name, namespace, owner),
+        "metadata": metadata,
         "spec": {
             "replicas": spec.effective_replicas if hydrated else 0,
             "selector": {"matchLabels": selector_labels(name)},
@@ -461,7 +524,7 @@ def build_deployment(
                         DEFAULT_CONTAINER_ANNOTATION: SERVER_CONTAINER,
                     },
                 },
-                "spec": _pod_spec(name, spec),
+                "spec": _pod_spec(name, spec, pin),
             },
         },
     }
@@ -571,6 +634,19 @@ def build_network_policy(
     }
 
 
+def stamp_digest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with ANNOTATION_RENDERED_DIGEST set to the digest of everything else in it."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    metadata = manifest["metadata"]
+    metadata["annotations"] = {**metadata.get("annotations", {}), ANNOTATION_RENDERED_DIGEST: digest}
+    return manifest
+
+
+def rendered_digest(child: Mapping[str, Any]) -> str | None:
+    """The digest stamped on a child (rendered or as stored), if any."""
+    return ((child.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_RENDERED_DIGEST)
+
+
 def build_children(
     name: str,
     namespace: str,
@@ -580,21 +656,23 @@ def build_children(
     pod_monitor_supported: bool,
     neighbours: Neighbours = Neighbours(),
     hydrated: bool = True,
+    pin: ImagePin = ImagePin(),
 ) -> list[dict[str, Any]]:
-    """Everything the target should own now; an owned kind missing from the list should be deleted.
+    """Everything the target should own now, each stamped with its digest; an owned kind missing from the
+    list should be deleted.
 
     `hydrated`: whether a huggingFace source's hydration Job has completed (always true for other sources).
     """
     if spec.external:
         return []
     owner = owner_reference(name, uid)
-    deployment = build_deployment(name, namespace, spec, owner, hydrated=hydrated)
+    deployment = build_deployment(name, namespace, spec, owner, pin, hydrated=hydrated)
     children = [deployment, build_service(name, namespace, spec, owner)]
     optional = [
-        build_hydration_job(name, namespace, spec, owner),
+        build_hydration_job(name, namespace, spec, owner, pin),
         build_pdb(name, namespace, spec, owner),
         build_network_policy(name, namespace, spec, owner, neighbours),
     ]
     if pod_monitor_supported:
         optional.append(build_pod_monitor(name, namespace, spec, owner))
-    return children + [child for child in optional if child is not None]
+    return [stamp_digest(child) for child in children + optional if child is not None]

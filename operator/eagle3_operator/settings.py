@@ -8,6 +8,7 @@ import kopf
 from eagle3_target.protocol import FIELD_MANAGER, GROUP
 
 from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
+from eagle3_operator.render import DEFAULT_IMAGE
 
 # Project-prefixed names, so kopf's markers (should any ever be written) are recognisably ours.
 PERSISTENCE_PREFIX = GROUP
@@ -20,7 +21,8 @@ NAMESPACE_PATTERN_CHARACTERS = frozenset("*?!,")
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    reprobe_seconds: float = 15.0  # how often targets with pods are re-probed for readiness changes
+    reprobe_seconds: float = 10.0  # how often each target-server endpoint is probed
+    server_image: str = DEFAULT_IMAGE  # what new targets without spec.image run
     api_timeout_seconds: float = 15.0  # one API request, reconciler and kopf alike
     watch_timeout_seconds: int = 300  # a watch request is renewed at least this often (the API wants an int)
     # kopf's cluster scanning: watch Namespaces (to match patterns) and CRDs (to notice new kinds). Off for a
@@ -31,14 +33,16 @@ class OperatorConfig:
     prometheus_namespace: str | None = None
 
 
-def needs_cluster_scanning(namespaces: Iterable[str], all_namespaces: bool) -> bool:
-    """Whether kopf must watch Namespaces and CRDs: cluster-wide (as ever), or to match namespace patterns.
+def needs_cluster_scanning(namespaces: Iterable[str]) -> bool:
+    """Whether kopf must watch Namespaces (and CRDs): only to match namespace patterns.
 
-    kopf's namespace watch drops namespaces created between its initial listing and its watch (it lists
-    again and ignores what that listing returns), so a matching namespace created then stays unserved
-    until it changes or the operator restarts. Exact names need no watch; patterns do, with that gap.
+    Cluster-wide, kopf watches every namespace with one watch per kind and needs no Namespace list; the
+    CRD exists before the operator starts (it checks), so watching all CRDs, which can be a large read in
+    CRD-heavy clusters, buys nothing. kopf's namespace watch drops namespaces created between its initial
+    listing and its watch (it lists again and ignores what that listing returns), so a namespace matching
+    a pattern created then stays unserved until it changes or the operator restarts.
     """
-    return all_namespaces or any(NAMESPACE_PATTERN_CHARACTERS & set(namespace) for namespace in namespaces)
+    return any(NAMESPACE_PATTERN_CHARACTERS & set(namespace) for namespace in namespaces)
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:

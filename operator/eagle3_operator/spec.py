@@ -4,10 +4,16 @@ The CRD (crds/eagle3targets.eagle3.dev.yaml) is the first line of validation; th
 renderer works on checked, typed values and so a spec that reached the operator without the CRD's checks
 (an older CRD, a unit test) still fails with a readable `InvalidSpec` instead of a broken Deployment.
 Field names and defaults match the CRD exactly; tests/eagle3_operator/test_spec.py keeps them in step.
+
+Fields this operator does not know are ignored, not refused: a newer CRD may add (and default) fields
+that the API server fills into every stored target, and an older operator must keep serving those
+targets. `unknown_fields` names them so the operator can warn.
 """
 
 import re
-from typing import Annotated, Any, Literal, Self
+import types
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
 
 from eagle3_target.engines import ENGINES
 from kubernetes.utils import parse_quantity
@@ -69,7 +75,7 @@ class InvalidSpec(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
 
 
 class SecretKeyRef(_Model):
@@ -461,6 +467,36 @@ class Eagle3TargetSpec(_Model):
             return cls.model_validate(spec)
         except ValidationError as error:
             raise InvalidSpec(_describe(error)) from None
+
+
+def unknown_fields(
+    raw: Mapping[str, Any], model: type[BaseModel] = Eagle3TargetSpec, at: str = "spec"
+) -> list[str]:
+    """The paths of fields in a raw spec that this operator's models do not know (they are ignored)."""
+    known = {field.alias or name: field for name, field in model.model_fields.items()}
+    found = []
+    for key, value in raw.items():
+        field = known.get(key)
+        if field is None:
+            found.append(f"{at}.{key}")
+            continue
+        nested = _model_in(field.annotation)
+        if nested is not None and isinstance(value, Mapping):
+            found += unknown_fields(value, nested, f"{at}.{key}")
+        elif nested is not None and isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, Mapping):
+                    found += unknown_fields(item, nested, f"{at}.{key}[{index}]")
+    return found
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model class a field holds (directly, optionally, or as list items), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (list, Union, types.UnionType, Annotated):
+        return next((m for arg in get_args(annotation) if (m := _model_in(arg)) is not None), None)
+    return None
 
 
 def _unique(key: str, values: list[str]) -> None:

@@ -5,11 +5,15 @@ Everything here is pure (the clock is an argument), so the rules that users and 
 cluster. The operator writes the result only when it differs from the status already stored.
 
 Ready is strict: every desired replica is a ready endpoint of the current Deployment revision, each
-answering /readyz and /v1/info with one fingerprint. A job that resolves a Ready target for generation N
-therefore never lands on pods still running generation N-1. Degraded says "something needs a human" and
-Progressing says "wait, it is moving"; both carry the reason a user acts on.
+answering /readyz and /v1/info with one fingerprint. Available is what a training job needs to start: at
+least one endpoint serves the current generation's model (its pod runs the model-deciding server flags
+the current spec renders, and all such endpoints agree on one fingerprint), so it stays True through a
+scale-up, a rollout that keeps the model, or replicas that cannot be scheduled. Only such endpoints are
+published ready, so a job never lands on a pod serving another model. Degraded says "something needs a
+human" and Progressing says "wait, it is moving"; both carry the reason a user acts on.
 """
 
+import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -24,6 +28,7 @@ from eagle3_operator.constants import (
     SERVER_CONTAINER,
     WAIT_CONTAINER,
 )
+from eagle3_operator.render import model_identity
 from eagle3_operator.spec import Eagle3TargetSpec
 
 # The status keys this module owns; anything else under .status is left alone.
@@ -41,7 +46,7 @@ STATUS_KEYS = (
     "model",
     "lastFailure",
 )
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
 # What status says about the target, as opposed to what it observed (url, endpoints, counts, model).
 _JUDGEMENT_KEYS = ("observedGeneration", "phase", "conditions", "lastFailure")
 EPOCH = datetime.fromtimestamp(0, UTC)
@@ -61,8 +66,18 @@ WAITING_FAILURES = {
 # The server exits with EXIT_INVALID_SETTINGS or EXIT_LOAD_FAILED (and one line saying why) when it cannot
 # load the model; the download's message is the tail of its log (terminationMessagePolicy in render.py).
 EXIT_FAILURES = {DOWNLOAD_CONTAINER: "ModelDownloadFailed", SERVER_CONTAINER: "ModelLoadFailed"}
-# When several pods fail differently, the reason reported is the first in this order (most actionable).
+# Server pods in these phases are finished (evicted, refused by the kubelet's admission, shut down with
+# their node, or exited): the ReplicaSet has replaced them, so they are neither endpoints nor replicas.
+FINISHED_POD_PHASES = frozenset({"Failed", "Succeeded"})
+# When several things fail differently, the reason reported is the first in this order (most actionable).
+# The first ones are the API server's answers to applying a child (kube.KubeError.failure).
 FAILURE_PRIORITY = (
+    "NameConflict",
+    "AdmissionDenied",
+    "QuotaExceeded",
+    "Forbidden",
+    "Conflict",
+    "ApplyFailed",
     "InvalidSpec",
     "Unschedulable",
     "ImagePullBackOff",
@@ -76,6 +91,7 @@ FAILURE_PRIORITY = (
     "StartupTimeout",
     "ProgressDeadlineExceeded",
     "EndpointUnreachable",
+    "FingerprintMismatch",
 )
 
 
@@ -95,9 +111,10 @@ class PodView:
     ready: bool  # the pod's own Ready condition (kubelet probes)
     terminating: bool
     created: datetime | None
-    started: datetime | None
+    started: datetime | None  # when the server container last started running (the startup budget's start)
     failure: Failure | None  # a failure readable from the pod alone (not time-based)
     progress: str | None = None  # what a pod that does not serve yet is doing, as far as the pod says
+    identity: tuple[str, ...] = ()  # render.model_identity of the pod's server command
     hydration: bool = False  # a pod of the hydration Job, not a server pod
     finished: bool = False  # phase Succeeded or Failed: it will never run again
 
@@ -156,6 +173,8 @@ class Observation:
     pods: Sequence[PodView] = ()
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)  # by pod name, or the URL when external
     hydration: Hydration | None = None  # only for huggingFace sources
+    identity: tuple[str, ...] = ()  # render.model_identity of the server command the current spec renders
+    apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
 
 
 @dataclass(frozen=True)
@@ -175,23 +194,42 @@ def parse_timestamp(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
-def pod_view(pod: Mapping[str, Any]) -> PodView:
-    """Condense a Pod (as the API returns it) into what status needs."""
-    metadata, status = pod.get("metadata") or {}, pod.get("status") or {}
+def endpoint_address(ip: str, port: int) -> str:
+    """The base URL of a server at a pod IP (IPv6 addresses in brackets, as URLs need them)."""
+    host = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    return f"http://{host}:{port}"
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView | None:
+    """Condense a Pod (as the API returns it) into what status needs; None for a finished server pod (a
+    finished hydration pod still says why the download failed)."""
+    metadata, spec, status = (pod.get(key) or {} for key in ("metadata", "spec", "status"))
+    hydration = (metadata.get("labels") or {}).get(LABEL_COMPONENT) == HYDRATION_COMPONENT
+    finished = status.get("phase") in FINISHED_POD_PHASES
+    if finished and not hydration:
+        return None
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     ready = (conditions.get("Ready") or {}).get("status") == "True"
+    server: Mapping[str, Any] = next(
+        (c for c in spec.get("containers") or [] if c.get("name") == SERVER_CONTAINER), {}
+    )
+    state: Mapping[str, Any] = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == SERVER_CONTAINER), {}
+    )
+    running = (state.get("state") or {}).get("running") or {}
     return PodView(
         name=metadata.get("name", ""),
         ip=status.get("podIP") or None,
-        node=(pod.get("spec") or {}).get("nodeName") or None,
+        node=spec.get("nodeName") or None,
         ready=ready,
         terminating=metadata.get("deletionTimestamp") is not None,
         created=parse_timestamp(metadata.get("creationTimestamp")),
-        started=parse_timestamp(status.get("startTime")),
+        started=parse_timestamp(running.get("startedAt")),
         failure=_pod_failure(conditions.get("PodScheduled") or {}, status),
         progress=_pod_progress(status),
-        hydration=(metadata.get("labels") or {}).get(LABEL_COMPONENT) == HYDRATION_COMPONENT,
-        finished=status.get("phase") in ("Succeeded", "Failed"),
+        hydration=hydration,
+        finished=finished,
+        identity=model_identity(server.get("command") or ()),
     )
 
 
@@ -315,9 +353,9 @@ def compute_status(observation: Observation, previous: Mapping[str, Any], now: d
         state = _external_state(observation, observation.spec)
     else:
         state = _managed_state(observation, observation.spec, now)
+    judged = state.conditions | {"Available": state.available or state.conditions["Ready"]}
     conditions = [
-        _condition(kind, status, reason, message, observation.generation, previous, now)
-        for kind, (status, reason, message) in state.conditions.items()
+        _condition(kind, *judged[kind], observation.generation, previous, now) for kind in CONDITION_TYPES
     ]
     status = {key: None for key in STATUS_KEYS} | state.fields
     status["observedGeneration"] = observation.generation
@@ -333,9 +371,16 @@ def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[st
 
 
 def transitions(previous: Mapping[str, Any], new: Mapping[str, Any]) -> list[Transition]:
-    """Events for conditions whose status or reason changed: Warning for failures, Normal otherwise. One
-    event per reason: a failure that turns Ready False and Degraded True at once is one piece of news."""
+    """Events for conditions whose status or reason changed: Warning for failures, Normal otherwise.
+
+    Available is announced only when it says something Ready's own event does not: not when Ready moved to
+    the same status in the same transition.
+    """
     before = {c["type"]: c for c in previous.get("conditions") or [] if "type" in c}
+    after = {c["type"]: c for c in new.get("conditions") or []}
+    ready_moved_to = (after.get("Ready") or {}).get("status")
+    if (before.get("Ready") or {}).get("status") == ready_moved_to:
+        ready_moved_to = None
     events: list[Transition] = []
     for condition in new.get("conditions") or []:
         if any(event.reason == condition["reason"] for event in events):
@@ -343,10 +388,12 @@ def transitions(previous: Mapping[str, Any], new: Mapping[str, Any]) -> list[Tra
         old = before.get(condition["type"], {})
         if (old.get("status"), old.get("reason")) == (condition["status"], condition["reason"]):
             continue
+        if condition["type"] == "Available" and condition["status"] == ready_moved_to:
+            continue
         if not old and condition["type"] != "Ready" and condition["status"] == "False":
             continue  # A new target that is not progressing or degraded: nothing worth an event.
         failing = condition["type"] == "Degraded" and condition["status"] == "True"
-        failing |= condition["type"] == "Ready" and condition["reason"] in FAILURE_PRIORITY
+        failing |= condition["type"] in ("Ready", "Available") and condition["reason"] in FAILURE_PRIORITY
         message = f"{condition['type']}={condition['status']}: {condition['message']}"
         events.append(Transition("Warning" if failing else "Normal", condition["reason"], message))
     return events
@@ -364,9 +411,10 @@ def _compact(value: Any) -> Any:
 @dataclass(frozen=True)
 class _State:
     phase: str
-    conditions: dict[str, tuple[str, str, str]]  # type -> (status, reason, message), in CONDITION_TYPES order
+    conditions: dict[str, tuple[str, str, str]]  # Ready, Progressing, Degraded -> (status, reason, message)
     fields: dict[str, Any]
     failure: Failure | None
+    available: tuple[str, str, str] | None = None  # Available when it is not simply what Ready says
 
 
 def _invalid_state(observation: Observation, previous: Mapping[str, Any]) -> _State:
@@ -420,26 +468,26 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     desired = spec.effective_replicas
     deployment = observation.deployment
     pods = sorted((p for p in observation.pods if not p.terminating), key=lambda p: p.name)
+    serving = [pod for pod in pods if _serving(pod, observation)]
     endpoints = [
         {
             "pod": pod.name,
-            "address": f"http://{pod.ip}:{spec.port}",
-            "ready": _serving(pod, observation),
+            "address": endpoint_address(pod.ip, spec.port),
+            "ready": pod in serving,
             "node": pod.node,
         }
         for pod in pods
         if pod.ip
     ]
-    ready_pods = [pod for pod in pods if _serving(pod, observation)]
-    newest_first = sorted(ready_pods, key=lambda p: p.created or EPOCH, reverse=True)
+    newest_first = sorted(serving, key=lambda p: p.created or EPOCH, reverse=True)
     infos = [info for pod in newest_first if (info := observation.probes[pod.name].info) is not None]
     fields = {
         "url": observation.url,
         "endpoints": endpoints,
         "replicas": deployment.replicas if deployment else 0,
-        "readyReplicas": len(ready_pods),
+        "readyReplicas": len(serving),
         "updatedReplicas": deployment.updated_replicas if deployment else 0,
-        "readyDesired": f"{len(ready_pods)}/{desired}",
+        "readyDesired": f"{len(serving)}/{desired}",
         "selector": observation.selector,
         "model": infos[0].to_status() if infos else None,
     }
@@ -453,22 +501,24 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     )
     if spec.suspend:
         return _suspended_state(observation, fields)
+    progress = f"{len(serving)}/{desired} replicas serving"
+    fingerprints = sorted({info.fingerprint for info in infos})
+    offered = len(fingerprints) == 1 and desired > 0  # scaled to zero, the pods left are only stopping
+    available = ("True", "Serving", f"{progress} {fingerprints[0]}") if offered else None
     hydration = observation.hydration
-    if hydration is not None and not hydration.complete:
-        return _hydrating_state(hydration, fields, serving=bool(ready_pods))
+    if hydration is not None and not hydration.complete and observation.apply_failure is None:
+        return _hydrating_state(hydration, fields, serving=bool(serving))
     failure = _first_failure(pods, deployment, observation, spec, now)
-    progress = f"{len(ready_pods)}/{desired} replicas serving"
+    if len(fingerprints) > 1:  # endpoints running the same model-deciding flags answer different models
+        mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {fingerprints}")
+        failure = min(failure or mismatch, mismatch, key=lambda f: FAILURE_PRIORITY.index(f.reason))
     if failure is not None:
-        phase = "Degraded" if ready_pods else "Failed"
-        return _State(phase, _failed(failure), fields, failure)
-    fingerprints = {info.fingerprint for info in infos}
-    if len(fingerprints) > 1 and rolled_out:
-        mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {sorted(fingerprints)}")
-        return _State("Degraded", _failed(mismatch), fields, mismatch)
+        phase = "Degraded" if serving else "Failed"
+        return _State(phase, _failed(failure), fields, failure, available)
     if desired == 0:
         return _State("Pending", _quiet("False", "ScaledToZero", "spec.replicas is 0"), fields, None)
-    if rolled_out and len(ready_pods) == desired:
-        return _State("Ready", _quiet("True", "AllReplicasReady", progress), fields, None)
+    if rolled_out and len(serving) == desired:
+        return _State("Ready", _quiet("True", "AllReplicasReady", progress), fields, None, available)
     loading = {pod.name: text for pod in pods if (text := _loading(pod, observation))}
     unprobed = [p.name for p in pods if p.ready and not _serving(p, observation) and p.name not in loading]
     reason, detail = ("Loading", "loading") if rolled_out else ("RollingOut", "rolling out the current spec")
@@ -483,7 +533,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
         "Degraded": NOT_DEGRADED,
     }
     phase = "Loading" if any(p.node for p in pods) else "Pending"
-    return _State(phase, conditions, fields, None)
+    return _State(phase, conditions, fields, None, available)
 
 
 def _hydrating_state(hydration: Hydration, fields: dict[str, Any], *, serving: bool) -> _State:
@@ -519,8 +569,18 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> _State
 
 
 def _serving(pod: PodView, observation: Observation) -> bool:
+    """The pod serves the current generation's model: ready, probed ready, and running the model-deciding
+    server flags the current spec renders (an old pod of a rollout that keeps the model qualifies)."""
     probe = observation.probes.get(pod.name)
-    return pod.ready and not pod.terminating and probe is not None and probe.ready and probe.info is not None
+    current = pod.identity == observation.identity
+    return (
+        current
+        and pod.ready
+        and not pod.terminating
+        and probe is not None
+        and probe.ready
+        and probe.info is not None
+    )
 
 
 def _loading(pod: PodView, observation: Observation) -> str | None:
@@ -544,6 +604,8 @@ def _first_failure(
 ) -> Failure | None:
     found: list[Failure] = []
     budget = spec.startup_timeout_seconds
+    if observation.apply_failure is not None:
+        found.append(observation.apply_failure)
     for pod in pods:
         if pod.failure is not None:
             found.append(Failure(pod.failure.reason, f"pod {pod.name}: {pod.failure.message}"))

@@ -99,7 +99,7 @@ def test_lint_strict(case):
     assert "0 chart(s) failed" in result.stdout
 
 
-def test_defaults_serve_every_namespace_with_one_recreated_replica():
+def test_defaults_serve_every_namespace_with_one_elected_replica():
     objects = render({})
     assert sorted(o["kind"] for o in objects) == [
         "ClusterRole",
@@ -109,14 +109,41 @@ def test_defaults_serve_every_namespace_with_one_recreated_replica():
         "ClusterRoleBinding",
         "ClusterRoleBinding",
         "Deployment",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
     (deployment,) = by_kind(objects, "Deployment")
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # The new pod of an upgrade waits as standby until the old one releases the Lease.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     options = cli_options(operator_container(objects)["args"])
     assert options["all_namespaces"] is True and not options["namespace"]
+    assert options["leader_elect"] is True and options["leader_election_namespace"] == "eagle3-system"
+    (role,) = by_kind(objects, "Role")
+    assert role["metadata"]["namespace"] == "eagle3-system"
+    assert {r["resources"][0] for r in role["rules"]} == {"leases"}
+    assert [r.get("resourceNames") for r in role["rules"] if "update" in r["verbs"]] == [
+        [options["leader_election_name"]]
+    ]
+
+
+def test_two_replicas_need_leader_election_and_without_it_one_is_recreated():
+    objects = render({"replicas": "2"})
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert cli_options(operator_container(objects)["args"])["leader_elect"] is True
+    single = render({"leaderElection.enabled": "false"})
+    (deployment,) = by_kind(single, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert cli_options(operator_container(single)["args"])["leader_elect"] is False
+    assert not by_kind(single, "Role")
+
+
+def test_server_image_value_reaches_the_operator():
+    options = cli_options(operator_container(render({"serverImage": "mirror.local/e3t:0.1.0"}))["args"])
+    assert options["server_image"] == "mirror.local/e3t:0.1.0"
 
 
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
@@ -163,22 +190,32 @@ def test_operator_image_matches_the_chart():
     assert '".[operator]"' in dockerfile
 
 
-def test_watch_namespaces_gives_roles_there_and_nothing_cluster_wide():
-    objects = render(VALUE_SETS["two namespaces"])
+def test_watch_namespaces_gives_roles_there_and_only_the_crd_cluster_wide():
+    objects = render(VALUE_SETS["two namespaces"] | {"leaderElection.enabled": "false"})
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == ["team-a", "team-b"]
-    # Exact names turn kopf's Namespace and CRD watches off, so nothing cluster-scoped is granted to the
-    # operator; the only ClusterRoles are the users' aggregated ones, which the chart binds to no one.
-    assert by_kind(objects, "ClusterRoleBinding") == []
-    for role in by_kind(objects, "ClusterRole"):
+    # Exact names turn kopf's Namespace and CRD watches off: the operator's one cluster-scoped grant is
+    # reading the Eagle3Target CRD (its schema version is checked at startup); the other ClusterRoles are
+    # the users' aggregated ones, which the chart binds to no one.
+    (binding,) = by_kind(objects, "ClusterRoleBinding")
+    roles = {role["metadata"]["name"]: role for role in by_kind(objects, "ClusterRole")}
+    assert roles.pop(binding["roleRef"]["name"])["rules"] == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": ["eagle3targets.eagle3.dev"],
+            "verbs": ["get"],
+        }
+    ]
+    for role in roles.values():
         assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
     options = cli_options(operator_container(objects)["args"])
     assert options["namespace"] == ["team-a", "team-b"] and options["all_namespaces"] is False
-    assert not needs_cluster_scanning(options["namespace"], options["all_namespaces"])
+    assert not needs_cluster_scanning(options["namespace"])
 
 
-def test_rules_name_no_wildcards_and_never_write_secrets():
+def test_rules_name_no_wildcards_and_no_secrets():
     for values in VALUE_SETS.values():
         objects = render(values)
         rules = [
@@ -188,9 +225,8 @@ def test_rules_name_no_wildcards_and_never_write_secrets():
         ]
         for rule in rules:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-        # The operator reads spec.auth's Secret, so some rule names secrets: with get and nothing else.
-        secret_verbs = [rule["verbs"] for rule in rules if "secrets" in rule["resources"]]
-        assert secret_verbs and all(verbs == ["get"] for verbs in secret_verbs)
+        # The operator probes without tokens, so it may not even read a Secret (no confused deputy).
+        assert rules and not [rule for rule in rules if "secrets" in rule["resources"]]
 
 
 def test_service_monitor_scrapes_the_metrics_service():
@@ -251,7 +287,11 @@ BAD_VALUES = {
         {"image.pullPolicy": "Sometimes"},
         "value must be one of 'Always', 'IfNotPresent', 'Never'",
     ),
-    "unknown key": ({"replicas": "2"}, "additional properties 'replicas' not allowed"),
+    "unknown key": ({"replica": "2"}, "additional properties 'replica' not allowed"),
+    "two replicas without election": (
+        {"replicas": "2", "leaderElection.enabled": "false"},
+        "at '/leaderElection/enabled': value must be true",
+    ),
     "monitor without service": (
         {"metrics.serviceMonitor.enabled": "true", "metrics.service.enabled": "false"},
         "at '/metrics/service/enabled': value must be true",
@@ -318,6 +358,8 @@ NEEDED = [
     ("patch", "eagle3targets.eagle3.dev", "--subresource=status"),
     ("create", "deployments.apps"),
     ("patch", "deployments.apps"),
+    ("get", "deployments.apps"),
+    ("get", "services"),
     ("delete", "deployments.apps"),
     ("watch", "deployments.apps"),
     ("patch", "services"),
@@ -329,11 +371,12 @@ NEEDED = [
     ("create", "jobs.batch"),
     ("delete", "jobs.batch"),
     ("watch", "pods"),
-    ("get", "secrets"),
     ("create", "events"),
     ("update", "eagle3targets.eagle3.dev", "--subresource=finalizers"),
 ]
 FORBIDDEN = [
+    ("get", "secrets"),
+    ("watch", "secrets"),
     ("create", "secrets"),
     ("update", "secrets"),
     ("delete", "secrets"),
@@ -371,10 +414,19 @@ def test_installed_service_account_has_exactly_what_the_operator_needs(cluster, 
         for check in NEEDED:
             assert not can_i(cluster, account, *check[:2], "default", *check[2:]), check
         assert not may_apply_pod_monitors(cluster, account, "default")
-        # Nothing cluster-scoped either: exact namespaces need no Namespace or CRD watch.
+        # Cluster-wide only the Eagle3Target CRD may be read: no Namespace or CRD lists or watches.
         for verb in ("list", "watch", "create"):
             for resource in ("customresourcedefinitions.apiextensions.k8s.io", "namespaces"):
                 assert not can_i(cluster, account, verb, resource, "default"), (verb, resource)
+        crd = "customresourcedefinitions.apiextensions.k8s.io/eagle3targets.eagle3.dev"
+        assert can_i(cluster, account, "get", crd, "default")
+        assert not can_i(
+            cluster, account, "get", "customresourcedefinitions.apiextensions.k8s.io/other.x", "default"
+        )
+        # Its Lease, in its own namespace only.
+        assert can_i(cluster, account, "update", "leases.coordination.k8s.io/e3-eagle3-operator", namespace)
+        assert not can_i(cluster, account, "update", "leases.coordination.k8s.io/other", namespace)
+        assert not can_i(cluster, account, "create", "leases.coordination.k8s.io", watched)
         status = cluster.kubectl(
             "get", "deployment", "e3-eagle3-operator", "-n", namespace, "-o", "yaml"
         ).stdout
@@ -395,11 +447,11 @@ def test_cluster_wide_install_reaches_every_namespace(cluster, namespace):
             assert may_apply_pod_monitors(cluster, account, target_namespace)
             for check in FORBIDDEN:
                 assert not can_i(cluster, account, *check[:2], target_namespace, *check[2:]), check
-        # Cluster-wide, kopf watches CRDs (its scanning stays on) but writes none.
-        assert can_i(cluster, account, "watch", "customresourcedefinitions.apiextensions.k8s.io", "default")
-        assert not can_i(
-            cluster, account, "create", "customresourcedefinitions.apiextensions.k8s.io", "default"
-        )
+        # Cluster-wide the operator needs no CRD watch (kopf's scanning is off): it reads its own CRD only.
+        for verb in ("list", "watch", "create"):
+            assert not can_i(
+                cluster, account, verb, "customresourcedefinitions.apiextensions.k8s.io", "default"
+            )
     finally:
         cluster.helm("uninstall", release, "--namespace", namespace, check=False)
 

@@ -18,7 +18,7 @@ from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.cluster.access import Cluster
 from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import OperatorProcess, ServerFarm, wait_for
+from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, Targets, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
@@ -114,3 +114,17 @@ def auth_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         yield farm
     finally:
         farm.close()
+
+
+@pytest.fixture
+def targets(cluster: Cluster, op_namespace: str) -> Targets:
+    return Targets(cluster, op_namespace)
+
+
+@pytest.fixture
+def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
+    serving = PodServing(targets.core, targets.namespace, servers)
+    try:
+        yield serving
+    finally:
+        serving.close()

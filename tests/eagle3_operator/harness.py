@@ -27,8 +27,10 @@ import httpx
 import kubernetes
 import uvicorn
 from eagle3_operator.constants import SERVER_CONTAINER
+from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
 from tests.cluster import nodes, plane
+from tests.cluster.access import Cluster
 from tests.cluster.processes import kill_when_parent_dies, terminate
 from tests.cluster.waiting import LOOPBACK, eventually, free_port
 from tests.eagle3_target.server.server_process import serve_command
@@ -63,12 +65,20 @@ class OperatorProcess:
     The kernel kills it if the test process dies without stopping it."""
 
     def __init__(
-        self, kubeconfig: Path, log_dir: Path, namespaces: Sequence[str], reprobe_seconds: float = 1.0
+        self,
+        kubeconfig: Path,
+        log_dir: Path,
+        namespaces: Sequence[str],
+        reprobe_seconds: float = 1.0,
+        extra_args: Sequence[str] = (),
+        name: str = "operator",
     ) -> None:
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
         self.namespaces = list(namespaces)
         self.reprobe_seconds = reprobe_seconds
+        self.extra_args = list(extra_args)  # read at each start: change them between a stop and a start
+        self.name = name
         self.process: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0
         self.liveness_port = 0
@@ -76,25 +86,37 @@ class OperatorProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.log_dir / f"operator-{self.starts}.log"
+        return self.log_dir / f"{self.name}-{self.starts}.log"
+
+    @staticmethod
+    def command() -> list[str]:
+        """How to run `eagle3-operator` from this Python environment."""
+        exe = shutil.which("eagle3-operator", path=str(Path(sys.executable).parent))
+        return [exe] if exe else [sys.executable, "-c", "from eagle3_operator.cli import main; main()"]
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "NO_PROXY": "*"}
 
     def start(self) -> None:
         self.starts += 1
         self.metrics_port, self.liveness_port = free_port(), free_port()
-        exe = shutil.which("eagle3-operator", path=str(Path(sys.executable).parent))
-        argv = [exe] if exe else [sys.executable, "-c", "from eagle3_operator.cli import main; main()"]
-        argv += [
+        argv = [
+            *self.command(),
             *(f"--namespace={namespace}" for namespace in self.namespaces),
             f"--liveness=http://{LOOPBACK}:{self.liveness_port}/healthz",
             f"--metrics-port={self.metrics_port}",
             f"--metrics-address={LOOPBACK}",
             f"--reprobe-seconds={self.reprobe_seconds}",
             "--api-timeout-seconds=10",
+            *self.extra_args,
         ]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "NO_PROXY": "*"}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=kill_when_parent_dies
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                preexec_fn=kill_when_parent_dies,
             )
         wait_for(self._alive, "the operator's liveness endpoint", timeout=60)
 
@@ -455,3 +477,108 @@ class Kubelet:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def target_manifest(name: str, port: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Eagle3Target",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny-llama"}}},
+            "engine": "hf",
+            "tensorParallelSize": 1,
+            "replicas": 1,
+            "port": port,
+            "startupTimeoutSeconds": 600,
+        }
+        | spec,
+    }
+
+
+class Targets:
+    """Eagle3Target and child access for one namespace."""
+
+    def __init__(self, cluster: Cluster, namespace: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
+        self.core = kubernetes.client.CoreV1Api(cluster.api_client)
+        self.apps = kubernetes.client.AppsV1Api(cluster.api_client)
+
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def patch_spec(self, name: str, spec: dict[str, Any]) -> int:
+        """Merge-patch the spec; returns the new metadata.generation."""
+        body = self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
+        )
+        return body["metadata"]["generation"]
+
+    def delete(self, name: str) -> None:
+        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+
+    def deployment(self, name: str) -> kubernetes.client.V1Deployment | None:
+        try:
+            return self.apps.read_namespaced_deployment(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def service(self, name: str) -> kubernetes.client.V1Service | None:
+        try:
+            return self.core.read_namespaced_service(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def pdb(self, name: str) -> kubernetes.client.V1PodDisruptionBudget | None:
+        policy = kubernetes.client.PolicyV1Api(self.cluster.api_client)
+        try:
+            return policy.read_namespaced_pod_disruption_budget(name, self.namespace)
+        except kubernetes.client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
+        selector = f"app.kubernetes.io/instance={name}"
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+    def events(self, name: str) -> list[kubernetes.client.CoreV1Event]:
+        selector = f"involvedObject.name={name},involvedObject.kind=Eagle3Target"
+        return self.core.list_namespaced_event(self.namespace, field_selector=selector).items
+
+    def ready_status(
+        self, name: str, generation: int | None = None, replicas: int | None = None
+    ) -> dict | None:
+        """The status once Ready=True for `generation` (default: the current one) with `replicas` serving."""
+        body = self.get(name)
+        if body is None:
+            return None
+        status = body.get("status") or {}
+        ready = condition(status, "Ready")
+        generation = generation or body["metadata"]["generation"]
+        if ready.get("status") != "True" or ready.get("observedGeneration") != generation:
+            return None
+        if status.get("observedGeneration") != generation:
+            return None
+        if replicas is not None and status.get("readyReplicas") != replicas:
+            return None
+        return status
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})

@@ -3,8 +3,8 @@ kopf's settings for the scope it is given."""
 
 import kopf
 import pytest
-from eagle3_operator.cli import app, operator_config
-from eagle3_operator.settings import configure
+from eagle3_operator.cli import app
+from eagle3_operator.settings import OperatorConfig, configure, needs_cluster_scanning
 from typer.testing import CliRunner
 
 
@@ -23,10 +23,11 @@ def test_help_names_the_operational_flags():
         "--all-namespaces",
         "--liveness",
         "--metrics-port",
-        "--standalone",
-        "--peering",
         "--operator-namespace",
         "--prometheus-namespace",
+        "--leader-elect",
+        "--leader-election-namespace",
+        "--server-image",
     ):
         assert flag in result.output
 
@@ -40,13 +41,13 @@ def test_help_names_the_operational_flags():
         (["team-a", "ml-?"], False, False),
         (["!kube-system"], False, False),
         (["team-a,team-b"], False, False),
-        ([], True, False),
+        ([], True, True),
     ],
 )
-def test_exact_namespaces_turn_kopfs_cluster_scanning_off(namespaces, all_namespaces, scanning_disabled):
-    """Exact names are served as given (no Namespace watch to miss new ones); patterns and cluster-wide
-    still need kopf to watch Namespaces and CRDs."""
-    config = operator_config(namespaces, all_namespaces, reprobe_seconds=1.0, api_timeout_seconds=5.0)
+def test_only_namespace_patterns_need_kopfs_cluster_scanning(namespaces, all_namespaces, scanning_disabled):
+    """Exact names are served as given (no Namespace watch to miss new ones) and cluster-wide needs no
+    Namespace list nor a watch of every CRD; only patterns make kopf watch Namespaces."""
+    config = OperatorConfig(api_timeout_seconds=5.0, scan_cluster=needs_cluster_scanning(namespaces))
     settings = kopf.OperatorSettings()
     configure(settings, config)
     assert settings.scanning.disabled is scanning_disabled

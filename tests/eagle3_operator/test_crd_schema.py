@@ -297,7 +297,15 @@ def publish_status(targets, namespace: str, name: str, ready: str) -> None:
                 "message": "",
                 "lastTransitionTime": "2026-01-01T00:00:00Z",
                 "observedGeneration": generation,
-            }
+            },
+            {
+                "type": "Available",
+                "status": ready,
+                "reason": "Serving" if ready == "True" else "ModelLoading",
+                "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+                "observedGeneration": generation,
+            },
         ],
         "url": f"http://{name}.{namespace}.svc:8000",
         "replicas": 2,
@@ -315,11 +323,13 @@ def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
     publish_status(targets, namespace, "served", "False")
 
     table = cluster.kubectl("get", "e3t", "served", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "REASON", "READY/DESIRED", "ENGINE", "MODEL", "URL", "AGE"]
-    assert table[1].split()[:7] == [
+    header = ["NAME", "READY", "REASON", "AVAILABLE", "READY/DESIRED", "ENGINE", "MODEL", "URL", "AGE"]
+    assert table[0].split() == header
+    assert table[1].split()[:8] == [
         "served",
         "False",
         "ModelLoading",
+        "False",
         "0/2",
         "vllm",
         "org/tiny",

@@ -5,148 +5,33 @@ One operator process serves the whole module (it serves namespaces e3op-*); each
 
 from __future__ import annotations
 
+import http.server
+import json
+import secrets
+import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import kubernetes
 import pytest
-from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
 from tests.cluster import nodes
 from tests.cluster.access import Cluster
-from tests.eagle3_operator.conftest import AUTH_TOKEN
+from tests.cluster.waiting import free_port
 from tests.eagle3_operator.harness import (
     POD_SETTINGS,
     OperatorProcess,
     PodServing,
     ServerFarm,
-    free_port,
+    Targets,
+    condition,
+    target_manifest,
     wait_for,
 )
 
 pytestmark = pytest.mark.usefixtures("operator")
-
-
-def target_manifest(name: str, port: int, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Eagle3Target",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": "/models/tiny-llama"}}},
-            "engine": "hf",
-            "tensorParallelSize": 1,
-            "replicas": 1,
-            "port": port,
-            "startupTimeoutSeconds": 600,
-        }
-        | spec,
-    }
-
-
-class Targets:
-    """Eagle3Target and child access for one namespace."""
-
-    def __init__(self, cluster: Cluster, namespace: str) -> None:
-        self.cluster = cluster
-        self.namespace = namespace
-        self.custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
-        self.core = kubernetes.client.CoreV1Api(cluster.api_client)
-        self.apps = kubernetes.client.AppsV1Api(cluster.api_client)
-
-    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
-
-    def get(self, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
-        except kubernetes.client.ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def patch_spec(self, name: str, spec: dict[str, Any]) -> int:
-        """Merge-patch the spec; returns the new metadata.generation."""
-        body = self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec}
-        )
-        return body["metadata"]["generation"]
-
-    def delete(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
-
-    def deployment(self, name: str) -> kubernetes.client.V1Deployment | None:
-        try:
-            return self.apps.read_namespaced_deployment(name, self.namespace)
-        except kubernetes.client.ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def service(self, name: str) -> kubernetes.client.V1Service | None:
-        try:
-            return self.core.read_namespaced_service(name, self.namespace)
-        except kubernetes.client.ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def pdb(self, name: str) -> kubernetes.client.V1PodDisruptionBudget | None:
-        policy = kubernetes.client.PolicyV1Api(self.cluster.api_client)
-        try:
-            return policy.read_namespaced_pod_disruption_budget(name, self.namespace)
-        except kubernetes.client.ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
-        """The target's server pods (its Service's selector; hydration pods carry only the instance label)."""
-        selector = f"app.kubernetes.io/name=eagle3-target,app.kubernetes.io/instance={name}"
-        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
-        return [p for p in pods if p.metadata.deletion_timestamp is None]
-
-    def events(self, name: str) -> list[kubernetes.client.CoreV1Event]:
-        selector = f"involvedObject.name={name},involvedObject.kind=Eagle3Target"
-        return self.core.list_namespaced_event(self.namespace, field_selector=selector).items
-
-    def ready_status(
-        self, name: str, generation: int | None = None, replicas: int | None = None
-    ) -> dict | None:
-        """The status once Ready=True for `generation` (default: the current one) with `replicas` serving."""
-        body = self.get(name)
-        if body is None:
-            return None
-        status = body.get("status") or {}
-        ready = condition(status, "Ready")
-        generation = generation or body["metadata"]["generation"]
-        if ready.get("status") != "True" or ready.get("observedGeneration") != generation:
-            return None
-        if status.get("observedGeneration") != generation:
-            return None
-        if replicas is not None and status.get("readyReplicas") != replicas:
-            return None
-        return status
-
-
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
-
-
-@pytest.fixture
-def targets(cluster: Cluster, op_namespace: str) -> Targets:
-    return Targets(cluster, op_namespace)
-
-
-@pytest.fixture
-def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
-    serving = PodServing(targets.core, targets.namespace, servers)
-    try:
-        yield serving
-    finally:
-        serving.close()
 
 
 def server_info(servers: ServerFarm) -> dict[str, Any]:
@@ -357,7 +242,7 @@ POD_MONITOR_CRD = {
 }
 
 
-def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets):
+def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets, operator: OperatorProcess):
     """Only prometheus-operator's PodMonitor CRD is needed (a stand-in with its group, version and names)."""
     extensions = kubernetes.client.ApiextensionsV1Api(targets.cluster.api_client)
     extensions.create_custom_resource_definition(POD_MONITOR_CRD)
@@ -381,6 +266,12 @@ def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets):
         monitor = wait_for(pod_monitor, "the PodMonitor")
         assert monitor["metadata"]["labels"]["release"] == "prom"
         assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+        # A label removed from the spec is removed from the PodMonitor (server-side apply prunes it).
+        targets.patch_spec("watched", {"monitoring": {"podMonitor": {"labels": None}}})
+        wait_for(lambda: "release" not in pod_monitor()["metadata"]["labels"], "the label pruned")
+        # A restarted operator has no memory of the PodMonitor it made, and still deletes it when disabled.
+        operator.stop()
+        operator.start()
         targets.patch_spec("watched", {"monitoring": {"podMonitor": {"enabled": False}}})
         wait_for(lambda: pod_monitor() is None, "the PodMonitor deleted once disabled")
     finally:
@@ -489,30 +380,81 @@ def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: T
     assert targets.deployment("odd") is None
 
 
-def test_token_protected_target_is_probed_with_its_secret(targets: Targets, auth_servers: ServerFarm):
-    """spec.auth: the operator reads the Secret and sends the token, as a training job would."""
-    url = f"http://{auth_servers.primary[0]}:{auth_servers.primary[1]}"
-    secret = {"metadata": {"name": "target-token"}, "stringData": {"token": AUTH_TOKEN}}
-    manifest = target_manifest("guarded", 8000)
-    manifest["spec"] = {
-        "model": {"name": "tiny-llama"},
-        "engine": "hf",
-        "endpoint": {"url": url},
-        "auth": {"tokenSecretRef": {"name": "target-token"}},
-    }
-    targets.create(manifest)
+class RecordingServer:
+    """An external endpoint that answers like a target server (the farm's real /v1/info) and records every
+    request's headers: what a resource author who points spec.endpoint.url at their own host would see."""
 
-    def not_ready() -> dict | None:
-        status = (targets.get("guarded") or {}).get("status") or {}
-        return status if condition(status, "Ready").get("reason") == "EndpointNotReady" else None
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        recorded, body = self.requests, json.dumps(info).encode()
 
-    status = wait_for(not_ready, "not ready while the Secret is missing")
-    assert "401" in condition(status, "Ready")["message"]
-    targets.core.create_namespaced_secret(targets.namespace, secret)
-    status = wait_for(
-        lambda: targets.ready_status("guarded"), "Ready once the token is readable", timeout=120
-    )
-    assert status["model"]["name"] == "tiny-llama"
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                recorded.append((self.path, dict(self.headers)))
+                payload = body if self.path == "/v1/info" else b'{"status": "ready"}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_no_secret_leaves_through_a_spec(targets: Targets, servers: ServerFarm):
+    """A resource author names someone else's Secret in spec.auth and points spec.endpoint.url at their own
+    server: the operator probes it (and reports it Ready) without sending any credential at all."""
+    secret_value = f"do-not-leak-{secrets.token_hex(8)}"
+    victim = {"metadata": {"name": "victim"}, "stringData": {"token": secret_value}}
+    targets.core.create_namespaced_secret(targets.namespace, victim)
+    recorder = RecordingServer(server_info(servers))
+    try:
+        manifest = target_manifest("deputy", 8000)
+        manifest["spec"] = {
+            "model": {"name": "tiny-llama"},
+            "engine": "hf",
+            "endpoint": {"url": recorder.url},
+            "auth": {"tokenSecretRef": {"name": "victim"}},
+        }
+        targets.create(manifest)
+        status = wait_for(lambda: targets.ready_status("deputy"), "the external target Ready")
+        assert status["model"]["name"] == "tiny-llama"
+        paths = {path for path, _ in recorder.requests}
+        assert {"/readyz", "/v1/info"} <= paths
+        for _, headers in recorder.requests:
+            assert "authorization" not in {key.lower() for key in headers}
+            assert not any(secret_value in value for value in headers.values())
+    finally:
+        recorder.close()
+
+
+def test_token_protected_pods_are_probed_without_their_token(
+    targets: Targets, auth_servers: ServerFarm, cluster: Cluster
+):
+    """spec.auth on managed pods: the servers want the token on the data routes, the operator never reads it
+    and still sees them serve (/readyz and /v1/info are open)."""
+    serving = PodServing(targets.core, targets.namespace, auth_servers)
+    try:
+        port = free_port()
+        serving.ports.add(port)
+        token = {"metadata": {"name": "target-token"}, "stringData": {"token": "not-for-the-operator"}}
+        targets.core.create_namespaced_secret(targets.namespace, token)
+        targets.create(target_manifest("guarded", port, auth={"tokenSecretRef": {"name": "target-token"}}))
+        status = wait_for(lambda: targets.ready_status("guarded", replicas=1), "Ready without the Secret")
+        address = status["endpoints"][0]["address"]
+        assert httpx.get(f"{address}/v1/weights/lm_head", timeout=5).status_code == 401
+    finally:
+        serving.close()
 
 
 def _shaped(template: kubernetes.client.V1PodTemplateSpec) -> dict[str, Any]:

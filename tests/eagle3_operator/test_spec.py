@@ -14,7 +14,7 @@ from eagle3_operator.constants import (
     OPERATOR_MOUNT_PATHS,
     OPERATOR_VOLUMES,
 )
-from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
+from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +163,6 @@ BAD_SPECS = {
         "spec.model.source.huggingFace.repo",
     ),
     "bad url": ({"endpoint": {"url": "ftp://x"}}, "spec.endpoint.url"),
-    "unknown field": (pvc_spec(gpus=2), "spec.gpus: Extra inputs are not permitted"),
 }
 
 
@@ -241,3 +240,22 @@ def test_volumes_keep_their_source_as_given():
     volume = {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}}
     spec = Eagle3TargetSpec.parse(pvc_spec(volumes=[volume]))
     assert spec.volumes[0].model_dump(by_alias=True) == volume
+
+
+def test_fields_of_a_newer_crd_are_ignored_and_named():
+    """A newer CRD can default a new field into every stored target: an older operator keeps serving it."""
+    raw = pvc_spec(
+        canary={"steps": 2},
+        tolerations=[{"key": "a", "operator": "Exists", "matchExpiry": "1h"}],
+        monitoring={"podMonitor": {"enabled": True, "scrapeTimeout": "5s"}},
+    )
+    raw["model"]["source"]["pvc"]["readOnlyMode"] = "strict"
+    spec = Eagle3TargetSpec.parse(raw)
+    assert spec.monitoring.pod_monitor.enabled and spec.tolerations[0].key == "a"
+    assert unknown_fields(raw) == [
+        "spec.model.source.pvc.readOnlyMode",
+        "spec.canary",
+        "spec.tolerations[0].matchExpiry",
+        "spec.monitoring.podMonitor.scrapeTimeout",
+    ]
+    assert unknown_fields(pvc_spec(affinity={"anything": {"goes": 1}}, engineArgs={"x": "1"})) == []

@@ -366,16 +366,38 @@ def test_pod_view_reads_failures_from_the_pod():
     }
     view = pod_view(pulling)
     assert view.failure == Failure("ImagePullBackOff", "container server: not found")
-    assert (view.terminating, view.node, view.ip, view.started) == (True, "gpu-0", "127.1.0.9", T0)
+    # Not running yet (pulling, downloading): the startup budget has not started.
+    assert (view.terminating, view.node, view.ip, view.started) == (True, "gpu-0", "127.1.0.9", None)
 
+    command = ["eagle3-target", "serve", "--model", "/models", "--engine", "hf", "--port", "8000"]
     running = {
         "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "server", "command": command}]},
         "status": {
+            "phase": "Running",
+            "startTime": "2026-11-30T02:00:00Z",
             "conditions": [{"type": "Ready", "status": "True"}],
-            "containerStatuses": [{"name": "server", "state": {"running": {}}}],
+            "containerStatuses": [
+                {"name": "server", "state": {"running": {"startedAt": "2026-11-30T03:00:00Z"}}}
+            ],
         },
     }
-    assert pod_view(running).ready and pod_view(running).failure is None
+    view = pod_view(running)
+    assert view.ready and view.failure is None
+    assert view.started == T0  # the server container's start, not the pod's (image pull, init containers)
+    assert view.identity == ("--model", "/models", "--engine", "hf")
+
+
+def test_finished_pods_are_not_viewed():
+    """Evicted, refused by the kubelet's admission, shut down with their node, or exited: the ReplicaSet has
+    replaced them, so they are neither endpoints nor replicas (the pod index drops them)."""
+    for phase, reason in (("Failed", "Evicted"), ("Failed", "UnexpectedAdmissionError"), ("Succeeded", "")):
+        pod = {
+            "metadata": {"name": "p"},
+            "spec": {"nodeName": "gpu-0"},
+            "status": {"phase": phase, "reason": reason, "podIP": "127.1.0.9"},
+        }
+        assert pod_view(pod) is None
 
 
 LOAD_FAILED_LINE = "unknown engine argument no_such_arg; supported: block_size, ..."
@@ -559,8 +581,11 @@ def test_recomputing_from_the_stored_status_writes_nothing(pods, probe, replicas
     first = compute_status(obs, {}, T0 + timedelta(hours=1))
     assert status_patch(first, compute_status(obs, first, T0 + timedelta(hours=1, minutes=minutes))) == {}
     assert first["phase"] in {"Pending", "Loading", "Ready", "Degraded", "Failed", "Suspended"}
-    assert [c["type"] for c in first["conditions"]] == ["Ready", "Progressing", "Degraded"]
+    assert [c["type"] for c in first["conditions"]] == ["Ready", "Available", "Progressing", "Degraded"]
+    offered = first["readyReplicas"] > 0 and replicas > 0 and not suspend
+    assert (condition(first, "Available")["status"] == "True") == offered
     if condition(first, "Ready")["status"] == "True":
+        assert condition(first, "Available")["status"] == "True"
         assert first["readyReplicas"] == replicas > 0 and not suspend and not lag
         assert all(e["ready"] for e in first["endpoints"]) and len(first["endpoints"]) == replicas
 
@@ -631,3 +656,111 @@ def test_old_pods_keep_serving_while_a_new_revision_downloads():
     status = compute_status(observe(hydration=running), {}, T0)
     assert condition(status, "Ready")["reason"] == "Downloading"
     assert status["readyReplicas"] == 2 and [e["ready"] for e in status["endpoints"]] == [True, True]
+
+
+MODEL = ("--model", "/models/tiny", "--engine", "hf", "--model-name", "tiny-llama")
+OTHER_MODEL = (
+    "--model",
+    "/models/tiny",
+    "--engine",
+    "hf",
+    "--model-name",
+    "tiny-llama",
+    "--dtype",
+    "float16",
+)
+
+
+def test_scale_up_keeps_the_target_available_while_not_ready():
+    """Two replicas serve, a third loads: Ready (all desired replicas) is False, Available is True."""
+    pods = (make_pod("t-a"), make_pod("t-b", "127.1.0.6"), make_pod("t-c", "127.1.0.7", ready=False))
+    probes = {"t-a": ProbeResult(True, INFO), "t-b": ProbeResult(True, INFO)}
+    obs = observe(
+        spec=make_spec(replicas=3),
+        pods=pods,
+        probes=probes,
+        deployment=make_deployment(desired=3, replicas=3, updated_replicas=3),
+    )
+    status = compute_status(obs, {}, T0)
+    assert (condition(status, "Ready")["status"], condition(status, "Ready")["reason"]) == (
+        "False",
+        "Loading",
+    )
+    available = condition(status, "Available")
+    assert (available["status"], available["reason"]) == ("True", "Serving")
+    assert "2/3" in available["message"] and "sha256:aaaa" in available["message"]
+    assert [e["ready"] for e in status["endpoints"]] == [True, True, False]
+
+
+def test_rollout_that_keeps_the_model_stays_available_one_that_changes_it_does_not():
+    """Old pods of a rollout serve the current generation's model when their model-deciding flags match."""
+    old = make_pod("t-a", identity=MODEL)
+    new_loading = make_pod("t-b", "127.1.0.6", ready=False, identity=MODEL)
+    rolling = make_deployment(generation=2, observed_generation=2, updated_replicas=1)
+    probes = {"t-a": ProbeResult(True, INFO)}
+    keeps = compute_status(
+        observe(pods=(old, new_loading), probes=probes, deployment=rolling, identity=MODEL), {}, T0
+    )
+    assert condition(keeps, "Ready")["reason"] == "RollingOut"
+    assert condition(keeps, "Available")["status"] == "True"
+    assert keeps["endpoints"][0]["ready"] and keeps["model"]["fingerprint"] == "sha256:aaaa"
+
+    changes = compute_status(
+        observe(pods=(old, new_loading), probes=probes, deployment=rolling, identity=OTHER_MODEL), {}, T0
+    )
+    assert condition(changes, "Available")["status"] == "False"
+    assert not any(e["ready"] for e in changes["endpoints"])  # a job never lands on the old model
+    assert changes["model"] is None and changes["readyReplicas"] == 0
+
+
+def test_unschedulable_replica_leaves_the_target_available():
+    stuck = make_pod("t-b", ip=None, node=None, ready=False, failure=Failure("Unschedulable", "no GPUs"))
+    obs = observe(pods=(make_pod("t-a"), stuck), probes={"t-a": ProbeResult(True, INFO)})
+    status = compute_status(obs, {}, T0)
+    assert condition(status, "Ready")["reason"] == "Unschedulable"
+    assert condition(status, "Degraded")["status"] == "True"
+    assert condition(status, "Available")["status"] == "True"
+    assert status["phase"] == "Degraded"
+
+
+def test_refused_apply_is_reported_with_its_reason_and_message():
+    refused = Failure("QuotaExceeded", "deployments.apps is forbidden: exceeded quota: gpu-quota")
+    served = compute_status(observe(apply_failure=refused), {}, T0)
+    for kind, expected in (("Ready", "False"), ("Progressing", "False"), ("Degraded", "True")):
+        assert (condition(served, kind)["status"], condition(served, kind)["reason"]) == (
+            expected,
+            "QuotaExceeded",
+        )
+    assert "exceeded quota" in condition(served, "Ready")["message"]
+    assert condition(served, "Available")["status"] == "True"  # the pods there still serve
+    assert served["lastFailure"]["reason"] == "QuotaExceeded"
+    nothing = compute_status(observe(apply_failure=refused, pods=(), probes={}), {}, T0)
+    assert (nothing["phase"], condition(nothing, "Available")["status"]) == ("Failed", "False")
+
+
+def test_disagreeing_fingerprints_are_not_available():
+    other = INFO.model_copy(update={"fingerprint": "sha256:bbbb"})
+    obs = observe(
+        probes={"t-a": ProbeResult(True, INFO), "t-b": ProbeResult(True, other)},
+        deployment=make_deployment(generation=2, observed_generation=1),
+    )
+    status = compute_status(obs, {}, T0)
+    assert condition(status, "Degraded")["reason"] == "FingerprintMismatch"
+    assert condition(status, "Available")["status"] == "False"
+
+
+def test_available_is_announced_only_when_ready_does_not_say_it():
+    ready = compute_status(observe(), {}, T0)
+    assert [e.reason for e in transitions({}, ready)] == ["AllReplicasReady"]
+    scaling = compute_status(
+        observe(spec=make_spec(replicas=3), deployment=make_deployment(desired=3)), ready, T0
+    )
+    assert [e.reason for e in transitions(ready, scaling)] == ["RollingOut"]  # one event per reason
+    gone = {name: ProbeResult(False, error="refused", reachable=False) for name in ("t-a", "t-b")}
+    outage = compute_status(
+        observe(spec=make_spec(replicas=3), deployment=make_deployment(desired=3), probes=gone), scaling, T0
+    )
+    assert condition(outage, "Available")["status"] == "False"
+    # Available went False for the reason Ready's Warning already names: one event for that reason.
+    events = [(e.type, e.reason) for e in transitions(scaling, outage)]
+    assert events.count(("Warning", "EndpointUnreachable")) == 1

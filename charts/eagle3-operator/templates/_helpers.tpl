@@ -34,8 +34,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- /* What the operator does inside a served namespace: read targets and write their status, own the
-     children (server-side apply = create + patch, pruning = delete), watch the server pods, read the
-     targets' bearer-token Secrets to probe /v1/info, and post events. Nothing else. */}}
+     children (server-side apply = create + patch, pruning = delete, get = is a child's name taken by
+     someone else), watch the server pods and post events. Nothing else: it reads no Secret (the servers
+     answer its probes without a token). */}}
 {{- define "eagle3-operator.namespacedRules" -}}
 - apiGroups: [eagle3.dev]
   resources: [eagle3targets]
@@ -50,31 +51,29 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 # A target's NetworkPolicy (spec.networkPolicy).
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [list, watch, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 # The hydration Job that downloads a huggingFace source once for all replicas (its pods are read above).
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [list, watch, create, patch, delete]
-# PodMonitors are applied (when their CRD exists) and deleted when disabled, but not watched.
+  verbs: [get, list, watch, create, patch, delete]
+# PodMonitors are applied (when their CRD exists) and deleted when disabled, but not watched: each
+# target's is looked up by name once per operator start.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
-  verbs: [create, patch, delete]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-- apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -14,23 +14,39 @@ class Output(StrEnum):
     urls = "urls"
 
 
+class Requirement(StrEnum):
+    """resolve's `require` (client.resolve.Requirement), as the CLI's choice."""
+
+    available = "Available"
+    ready = "Ready"
+
+
 def resolve_command(
     name: Annotated[str, typer.Argument(help="Eagle3Target name")],
     namespace: Annotated[
         str | None,
         typer.Option("--namespace", "-n", help="default: the kubeconfig's (or the pod's) namespace"),
     ] = None,
-    wait: Annotated[float, typer.Option(min=0, help="seconds to wait for Ready; 0 checks once")] = 0.0,
+    wait: Annotated[
+        float, typer.Option(min=0, help="seconds to wait until the target serves; 0 checks once")
+    ] = 0.0,
+    require: Annotated[
+        Requirement,
+        typer.Option(
+            help="Available: some endpoint serves the current model (its serving endpoints are returned);"
+            " Ready: every desired replica does"
+        ),
+    ] = Requirement.available,
     output: Annotated[
         Output, typer.Option("--output", "-o", help="json, or urls (one per line)")
     ] = Output.json,
     kubeconfig: Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")] = None,
 ) -> None:
-    """Resolve an Eagle3Target: its URL, ready endpoints, model and fingerprint, once Ready."""
+    """Resolve an Eagle3Target: its URL, serving endpoints, model and fingerprint, once it serves."""
     from eagle3_target.client import ClientError, resolve
 
     try:
-        target = resolve(name, namespace, wait, kubeconfig=kubeconfig)
+        target = resolve(name, namespace, wait, kubeconfig=kubeconfig, require=require.value)
     except ClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -1,6 +1,9 @@
-"""Find a served target by its `Eagle3Target` name: read status, wait for Ready, say where to connect.
+"""Find a served target by its `Eagle3Target` name: read status, wait until it serves, say where to connect.
 
-A status only counts once the operator has observed the current spec (status.observedGeneration and the Ready
+By default a target is usable once it is Available: at least one endpoint serves the current generation's
+model, so a job starts during a scale-up, a rollout that keeps the model, or while some replicas cannot be
+scheduled, and gets the endpoints that serve. `require="Ready"` waits for every desired replica instead.
+A status only counts once the operator has observed the current spec (status.observedGeneration and the
 condition's observedGeneration both equal metadata.generation); otherwise a training job could start against
 the previous model right after someone edited the resource.
 """
@@ -13,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -34,6 +37,8 @@ from eagle3_target.protocol import GROUP, PLURAL, VERSION, ServedModel
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
 POLL_INTERVAL_S = 2.0
+# The condition a resolve waits for: Available (some endpoint serves the current model) or Ready (all do).
+Requirement = Literal["Available", "Ready"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ EAGLE3_TARGET = TargetResource()
 
 @dataclass(frozen=True)
 class ResolvedTarget:
-    """A Ready target: its Service URL, the addresses of its ready pods and the model they serve."""
+    """A serving target: its Service URL, the addresses of the pods serving its current model, that model."""
 
     name: str
     namespace: str
@@ -99,14 +104,18 @@ def find_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
 
 
-def readiness(obj: dict[str, Any]) -> tuple[bool, str]:
-    """Whether a snapshot of the resource is Ready for its current generation, and if not, why."""
+def readiness(obj: dict[str, Any], require: Requirement = "Available") -> tuple[bool, str]:
+    """Whether a snapshot of the resource meets `require` for its current generation, and if not, why.
+
+    An operator too old to publish Available is held to Ready.
+    """
     generation = obj.get("metadata", {}).get("generation")
     status = obj.get("status") or {}
-    ready = find_condition(status, "Ready")
+    kind = require if require == "Ready" or find_condition(status, require) else "Ready"
+    ready = find_condition(status, kind)
     if ready is None:
-        return False, f"no Ready condition yet (phase {status.get('phase')!r})"
-    state = f"Ready={ready.get('status')} reason={ready.get('reason')!r} message={ready.get('message')!r}"
+        return False, f"no {kind} condition yet (phase {status.get('phase')!r})"
+    state = f"{kind}={ready.get('status')} reason={ready.get('reason')!r} message={ready.get('message')!r}"
     if status.get("observedGeneration") != generation:
         return False, (
             f"status is stale: status.observedGeneration={status.get('observedGeneration')} but "
@@ -114,13 +123,13 @@ def readiness(obj: dict[str, Any]) -> tuple[bool, str]:
         )
     if ready.get("observedGeneration") != generation:
         return False, (
-            f"Ready condition is stale: its observedGeneration={ready.get('observedGeneration')} but "
+            f"{kind} condition is stale: its observedGeneration={ready.get('observedGeneration')} but "
             f"metadata.generation={generation} (last {state})"
         )
     if ready.get("status") != "True":
         return False, state
     if not (ready_endpoints(status) or status.get("url")):
-        return False, "Ready but neither status.url nor a ready endpoint is published"
+        return False, f"{kind} but neither status.url nor a ready endpoint is published"
     return True, state
 
 
@@ -149,8 +158,11 @@ def resolve(
     kubeconfig: str | None = None,
     api_client: k8s.ApiClient | None = None,
     resource: TargetResource = EAGLE3_TARGET,
+    require: Requirement = "Available",
 ) -> ResolvedTarget:
-    """Return the Ready target `name`, waiting up to `wait` seconds (0: check once) for it to become Ready.
+    """Return target `name` and the endpoints serving it, waiting up to `wait` seconds (0: check once) until
+    it is Available (default: some endpoint serves the current model) or, with require="Ready", every
+    desired replica serves.
 
     Raises TargetNotFound, TargetCRDMissing, TargetAccessForbidden or ResolveTimeout (naming the last reason).
     """
@@ -164,14 +176,16 @@ def resolve(
     watch_allowed = True
     while True:
         obj = _get(api, resource, name, namespace)
-        ready, why = readiness(obj)
+        ready, why = readiness(obj, require)
         if ready:
             return resolved_from(obj)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise ResolveTimeout(f"{resource.plural}/{name} in {namespace} not Ready after {wait:g}s: {why}")
+            raise ResolveTimeout(
+                f"{resource.plural}/{name} in {namespace} not {require} after {wait:g}s: {why}"
+            )
         if watch_allowed:
-            found, watch_allowed = _watch_until_ready(api, resource, obj, remaining)
+            found, watch_allowed = _watch_until_ready(api, resource, obj, remaining, require)
             if found is not None:
                 return found
         else:
@@ -250,9 +264,13 @@ def _api_message(exc: ApiException) -> str:
 
 
 def _watch_until_ready(
-    api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any], remaining: float
+    api: k8s.CustomObjectsApi,
+    resource: TargetResource,
+    obj: dict[str, Any],
+    remaining: float,
+    require: Requirement,
 ) -> tuple[ResolvedTarget | None, bool]:
-    """Watch one object from the snapshot's resourceVersion: (target if Ready, whether watching works)."""
+    """Watch one object from the snapshot's resourceVersion: (target once usable, whether watching works)."""
     meta = obj["metadata"]
     watcher = k8s_watch.Watch()
     try:
@@ -270,9 +288,9 @@ def _watch_until_ready(
             kind, current = event["type"], event["object"]
             if kind == "DELETED":
                 raise TargetNotFound(
-                    f"{resource.plural} {meta['name']!r} was deleted while waiting for Ready"
+                    f"{resource.plural} {meta['name']!r} was deleted while waiting for {require}"
                 )
-            if kind in ("ADDED", "MODIFIED") and readiness(current)[0]:
+            if kind in ("ADDED", "MODIFIED") and readiness(current, require)[0]:
                 return resolved_from(current), True
             if kind == "ERROR":
                 break  # e.g. the resourceVersion expired: re-read and watch again.

@@ -1,7 +1,8 @@
 """Optional bearer-token check (``--auth-token-file``), as pure ASGI middleware.
 
-Probes and the metrics scrape stay open so kubelet and Prometheus need no secret. The comparison is
-constant-time so response timing leaks nothing about the token.
+Probes, the model's identity (/v1/info) and the metrics scrape stay open, so kubelet, Prometheus and the
+operator need no secret; every route that returns tensors or changes state needs the token. The
+comparison is constant-time so response timing leaks nothing about the token.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eagle3_target.server.errors import Unauthorized
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/info", "/metrics"})
 
 
 def read_token_file(path: Path) -> str:

@@ -197,3 +197,74 @@ def test_readiness_rules(obj, ready, why):
     got_ready, got_why = readiness(obj)
     assert got_ready is ready
     assert why in got_why
+
+
+def with_available(body: dict, available: str, reason: str, generation: int) -> dict:
+    conditions = body["status"]["conditions"] + [
+        {"type": "Available", "status": available, "reason": reason, "observedGeneration": generation}
+    ]
+    return body | {"status": body["status"] | {"conditions": conditions}}
+
+
+SCALING_UP = with_available(
+    {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")}, "True", "Serving", 2
+)
+
+
+@pytest.mark.parametrize(
+    ("obj", "require", "ready", "why"),
+    [
+        (SCALING_UP, "Available", True, "Available=True"),  # a scale-up: some endpoints serve
+        (SCALING_UP, "Ready", False, "Loading"),  # require="Ready" still waits for all replicas
+        (
+            with_available(
+                {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")}, "True", "Serving", 1
+            ),
+            "Available",
+            False,
+            "Available condition is stale",
+        ),
+        (
+            with_available(
+                {"metadata": {"generation": 2}, "status": status(2, "False", "Unschedulable")},
+                "False",
+                "Unschedulable",
+                2,
+            ),
+            "Available",
+            False,
+            "Unschedulable",
+        ),
+        # An operator that publishes no Available condition is held to Ready.
+        (
+            {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")},
+            "Available",
+            False,
+            "Ready=",
+        ),
+    ],
+)
+def test_available_rules(obj, require, ready, why):
+    got_ready, got_why = readiness(obj, require)
+    assert got_ready is ready
+    assert why in got_why
+
+
+def test_resolve_returns_a_serving_target_at_once_and_waits_for_ready_only_when_asked(
+    cluster, namespace, objects
+):
+    generation = create_target(objects, namespace, "growing")["metadata"]["generation"]
+    serving = with_available(
+        {"metadata": {}, "status": status(generation, "False", "Loading")}, "True", "Serving", generation
+    )
+    write_status(objects, namespace, "growing", serving["status"])
+    found = resolve("growing", namespace, wait=0, kubeconfig=str(cluster.kubeconfig))
+    assert found.endpoints == ("http://127.0.0.2:8000",)  # only the serving endpoint
+    with pytest.raises(ResolveTimeout, match="not Ready after 1s"):
+        resolve("growing", namespace, wait=1, kubeconfig=str(cluster.kubeconfig), require="Ready")
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    cli = [str(Path(sys.executable).parent / "eagle3-target"), "resolve", "growing", "-n", namespace]
+    as_urls = subprocess.run([*cli, "-o", "urls"], capture_output=True, text=True, env=env, check=True)
+    assert as_urls.stdout.split() == ["http://127.0.0.2:8000"]
+    strict = subprocess.run([*cli, "--require", "Ready"], capture_output=True, text=True, env=env)
+    assert strict.returncode != 0 and "not Ready" in strict.stderr

@@ -270,11 +270,13 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
 
 
 def test_bearer_token_is_sent(llama_server):
+    """The data routes need the token; /v1/info (the model's identity) answers without it."""
     with TargetClient(llama_server.url) as anonymous, pytest.raises(RequestRejected) as rejected:
-        anonymous.info()
+        assert anonymous.info().num_hidden_layers == 8
+        anonymous.weight("lm_head")
     assert rejected.value.status_code == 401
     with TargetClient(llama_server.url, token=TOKEN) as client:
-        assert client.info().num_hidden_layers == 8
+        assert client.weight("lm_head").shape[0] == client.info().vocab_size
 
 
 def test_client_by_resource_name_follows_endpoint_changes(

@@ -22,8 +22,9 @@ from tests.eagle3_target.server.test_server_routes import metric_samples
 AUTH = {"Authorization": f"Bearer {AUTH_TOKEN}"}
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics"])
-def test_probes_and_metrics_need_no_token(restricted_server, path):
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v1/info", "/metrics"])
+def test_probes_identity_and_metrics_need_no_token(restricted_server, path):
+    """The operator probes /readyz and /v1/info with no credentials: they reveal the model, never tensors."""
     assert httpx.get(restricted_server.url + path).status_code == 200
 
 
@@ -51,8 +52,9 @@ def test_metrics_port_serves_only_the_metrics(restricted_server):
 )
 def test_routes_need_the_bearer_token(restricted_server, headers):
     for method, path in [
-        ("GET", "/v1/info"),
         ("POST", "/v1/supervision"),
+        ("PUT", "/v1/vocab-mappings/draft"),
+        ("GET", "/v1/weights/lm_head"),
         ("GET", "/health"),
         ("POST", "/generate"),
     ]:
