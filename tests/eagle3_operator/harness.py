@@ -553,7 +553,8 @@ class Targets:
             raise
 
     def pods(self, name: str) -> list[kubernetes.client.V1Pod]:
-        selector = f"app.kubernetes.io/instance={name}"
+        """The target's server pods (its Service's selector; hydration pods carry only the instance label)."""
+        selector = f"app.kubernetes.io/name=eagle3-target,app.kubernetes.io/instance={name}"
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
         return [p for p in pods if p.metadata.deletion_timestamp is None]
 
