@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.export [--quick] [--device cpu|cuda] [--rounds 2]
 
-Writes a random Llama-style model in bf16 (hidden 1024, 8 layers, vocab 32000; --quick: hidden 256, vocab
-8000), pre-tokenised rows of 128-512 tokens (--quick: 64-256), starts a real `eagle3-target serve` (HF
+Writes a random Llama-style model in bf16 (hidden 512, 8 layers, vocab 32000; --quick: hidden 256, vocab
+8000), pre-tokenised rows of 128-384 tokens (--quick: 64-256), starts a real `eagle3-target serve` (HF
 engine) on a loopback port, and prints one JSON object with, per layout (speculators, specforge):
 - inprocess_tokens_per_s: the HF runner's forward (`forward_hidden`, pre- or post-norm as the layout needs)
   in this process, on the very requests the exporter sends (same packing, same padding), nothing written;
@@ -32,7 +32,7 @@ from eagle3_target.tiny import write_tiny_model
 
 from tests.eagle3_target.server.server_process import start_server
 
-FULL = {"hidden_size": 1024, "num_layers": 8, "vocab_size": 32000, "rows": 48, "min_len": 128, "max_len": 512}
+FULL = {"hidden_size": 512, "num_layers": 8, "vocab_size": 32000, "rows": 32, "min_len": 128, "max_len": 384}
 QUICK = {"hidden_size": 256, "num_layers": 8, "vocab_size": 8000, "rows": 48, "min_len": 64, "max_len": 256}
 BATCH_TOKENS = 4096
 
@@ -86,7 +86,8 @@ def main() -> None:
             runner = load_runner("hf", model_dir, dtype="bfloat16", device=args.device)
             server.wait_until("/readyz", 200, timeout=600)
             results = {}
-            with TargetClient(server.url) as client:
+            # bf16 forwards of a full request take minutes on a loaded CPU, past the client's default timeout.
+            with TargetClient(server.url, timeout_s=1800) as client:
                 for layout in (SpeculatorsLayout(), SpecForgeLayout()):
                     prenorm = layout.format == "hidden_prenorm"
                     local = exported = 0.0
