@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 
@@ -152,7 +153,16 @@ def train(features: Path, model_dir: Path, out: Path, capsys) -> list[dict[str, 
     }
     (out / "config.yaml").write_text(yaml.safe_dump(config))
     capsys.readouterr()
-    assert main(["train", "--config", str(out / "config.yaml")]) == 0
+    environment = dict(os.environ)
+    try:
+        assert main(["train", "--config", str(out / "config.yaml")]) == 0
+    finally:
+        # SpecForge's launcher exports its worker env (RANK, LOCAL_RANK, ...) and leaves its gloo group up;
+        # neither may leak into the tests that run after this one in the same process.
+        os.environ.clear()
+        os.environ.update(environment)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     printed = capsys.readouterr().out
     steps = [ast.literal_eval(m) for m in re.findall(r"^step \d+: (\{.*\})$", printed, flags=re.M)]
     return [{k: v for k, v in step.items() if not k.startswith("perf/")} for step in steps]
