@@ -30,7 +30,9 @@ def test_demo_runs_end_to_end_and_cleans_up():
     progress = re.search(r"Progressing: .*quickstart-\S+: waiting for weights: no weights yet", output)
     assert progress and progress.start() < output.index("condition met"), output[-4000:]
     assert "eagle3target.eagle3.dev/quickstart condition met" in output
-    assert re.search(r"quickstart\s+True\s+AllReplicasReady\s+1/1\s+hf\s+tiny-llama", output), output[-4000:]
+    # NAME READY REASON AVAILABLE READY/DESIRED ENGINE MODEL
+    columns = r"quickstart\s+True\s+AllReplicasReady\s+True\s+1/1\s+hf\s+tiny-llama"
+    assert re.search(columns, output), output[-4000:]
     assert re.search(rf"endpoints:\s+http://127\.{nodes.POD_NET}\.\d+\.\d+:8000", output)
     assert re.search(r"aux_hidden_states\s+\(4, 128, 192\)\s+float32", output)
     assert re.search(r"logits\s+\(4, 128, 256\)\s+float32", output)
