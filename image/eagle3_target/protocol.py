@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -23,6 +24,17 @@ PLURAL = "eagle3targets"
 FIELD_MANAGER = "eagle3-operator"
 
 OCTET_STREAM = "application/octet-stream"
+
+
+def read_token_file(path: Path) -> str:
+    """The bearer token in `path`, surrounding whitespace removed (Secrets mounted as files end with a
+    newline). The server checks requests against it and clients send it, so both read it here."""
+    token = path.read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
 # GET /v1/weights/{name}.
 WEIGHT_NAMES = ("input_embeddings", "lm_head", "final_norm")
 # The `dtype` values /v1/supervision takes for formats that take one; the first is the default.

@@ -7,14 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eagle3_target.client.target_client import TargetClient
-
-
-def read_token(path: Path) -> str:
-    """The bearer token in `path` without surrounding whitespace (mounted Secrets end with a newline)."""
-    token = path.read_text(encoding="utf-8").strip()
-    if not token:
-        raise ValueError(f"token file {path} is empty")
-    return token
+from eagle3_target.protocol import read_token_file
 
 
 def connect(
@@ -34,7 +27,7 @@ def connect(
     bad = [u for u in urls if "://" not in u]
     if bad:
         raise ValueError(f"--url takes server URLs like http://10.0.0.5:8000, got {bad}")
-    token = read_token(token_file) if token_file is not None else None
+    token = read_token_file(token_file) if token_file is not None else None
     if target is not None:
         return TargetClient(target, namespace=namespace, wait=wait, kubeconfig=kubeconfig, token=token)
     return TargetClient(list(urls), token=token)

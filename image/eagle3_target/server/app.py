@@ -7,7 +7,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from eagle3_target.server.auth import BearerAuthMiddleware, read_token_file
+from eagle3_target.protocol import read_token_file
+from eagle3_target.server.auth import BearerAuthMiddleware
 from eagle3_target.server.errors import install_error_handlers
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.routes import native, nemo, probes

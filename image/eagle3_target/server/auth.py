@@ -8,21 +8,12 @@ comparison is constant-time so response timing leaks nothing about the token.
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eagle3_target.server.errors import Unauthorized
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/info", "/metrics"})
-
-
-def read_token_file(path: Path) -> str:
-    """The token in ``path``, surrounding whitespace removed (Secrets mounted as files end with newlines)."""
-    token = path.read_text(encoding="utf-8").strip()
-    if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    return token
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3_target.protocol import read_token_file
 from eagle3_target.runners import InvalidInput
-from eagle3_target.server.auth import bearer_matches, read_token_file
+from eagle3_target.server.auth import bearer_matches
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, run_coalesced
 from eagle3_target.server.errors import TooManyRequests, Unprocessable
 from eagle3_target.server.fingerprint import model_fingerprint, sample_offsets, weight_file_digest
