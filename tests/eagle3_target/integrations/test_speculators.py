@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pickle
 from pathlib import Path
 
@@ -31,6 +32,18 @@ from transformers import AutoModelForCausalLM
 from tests.eagle3_target.integrations.reference import write_vllm_files
 
 TOTAL_SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def thread_settings():
+    """speculators' dataloader sets OMP/MKL/OPENBLAS_NUM_THREADS=1 in os.environ and torch's thread count to 1
+    (speculators/train/dataloader.py); servers started later would inherit one thread and differ from
+    in-process forwards by fp32 reduction order, so both are restored."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    yield
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")
