@@ -24,8 +24,9 @@ from eagle3_operator.constants import (
     POD_SELECTOR,
     WATCHED_CHILD_KINDS,
 )
+from eagle3_operator.indexes import TargetKey, TargetSnapshot, child_state, controlling_target
 from eagle3_operator.kube import KubeApi
-from eagle3_operator.reconciler import Reconciler, TargetKey, TargetSnapshot, child_state, controlling_target
+from eagle3_operator.reconciler import Reconciler
 from eagle3_operator.render import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
 from eagle3_operator.status import pod_view

@@ -2,32 +2,25 @@
 
 Every trigger (the target changed, a child or pod changed, a probe result changed, a startup deadline came)
 just asks for a pass over one target; requests that arrive while a pass runs fold into a single follow-up
-pass. A pass reads only in-memory state (kopf's indexes of the target, its children and its pods, and the
-prober's latest results), so it makes API calls only to change something: a child that differs from what is
-rendered (or is missing, or should not exist) is applied or deleted, and the status is patched with just
-the keys that changed. Probing never happens inside a pass (probe.py), so a hung server cannot hold a
-reconcile worker.
+pass. A pass reads only in-memory state (kopf's indexes of the target, its children and its pods, see
+indexes.py, and the prober's latest results), so it makes API calls only to change something: a child that
+differs from what is rendered (or is missing, or should not exist) is applied or deleted (children.py), and
+the status is patched with just the keys that changed. Probing never happens inside a pass (probe.py), so
+a hung server cannot hold a reconcile worker.
 """
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
-
-from eagle3_target.protocol import GROUP, KIND
-from kubernetes.utils import parse_quantity
+from typing import Any
 
 from eagle3_operator import metrics
-from eagle3_operator.constants import (
-    CHILD_KINDS,
-    HYDRATION_PROGRESS_PORT,
-    LABEL_INSTANCE,
-    POD_MONITOR_API_VERSION,
-)
+from eagle3_operator.children import ChildApplier, ChildWrites
+from eagle3_operator.constants import HYDRATION_PROGRESS_PORT, LABEL_INSTANCE, POD_MONITOR_API_VERSION
+from eagle3_operator.indexes import ChildState, TargetKey, TargetSnapshot, only
 from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef
 from eagle3_operator.probe import Prober
 from eagle3_operator.render import (
@@ -35,7 +28,6 @@ from eagle3_operator.render import (
     ImagePin,
     Neighbours,
     build_children,
-    child_name,
     hf_revision,
     hydration_job_name,
     label_selector,
@@ -48,7 +40,6 @@ from eagle3_operator.render import (
 )
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status import (
-    DeploymentView,
     Failure,
     Hydration,
     JobView,
@@ -60,113 +51,18 @@ from eagle3_operator.status import (
     describe_progress,
     endpoint_address,
     hydration_state,
-    job_view,
     status_patch,
     transitions,
 )
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-TargetKey = tuple[str, str]  # (namespace, name)
 MAX_CONCURRENT_RECONCILES = 32
 # Waits before another try after a failed pass or a refused apply (the last repeats): a refused apply is
 # not tried again before its wait is over unless the rendering changes.
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# Children whose kind has no index (its CRD may not even exist): looked up by name once per operator
-# process, then known from this process's own applies.
-UNWATCHED_KINDS = frozenset(child.kind for child in CHILD_KINDS if not child.watched)
 # How often a target that wants a PodMonitor looks for prometheus-operator's API while it is not served.
 MONITOR_RECHECK_SECONDS = 15.0
-
-
-@dataclass(frozen=True)
-class TargetSnapshot:
-    """What the target index keeps per Eagle3Target."""
-
-    uid: str
-    generation: int
-    resource_version: str
-    spec: Mapping[str, Any]
-    status: Mapping[str, Any]
-    deleting: bool
-    upgrade: str | None = None  # the target's constants.ANNOTATION_UPGRADE
-
-
-@dataclass(frozen=True)
-class ChildState:
-    """What a child index keeps per owned object: enough to detect drift, and the Deployment's progress."""
-
-    api_version: str
-    kind: str
-    name: str
-    uid: str
-    resource_version: str
-    owner_uid: str
-    essence: Mapping[str, Any]  # metadata labels/annotations/ownerReferences and spec: what drift compares
-    deployment: DeploymentView | None = None
-    job: JobView | None = None
-
-
-def controlling_target(metadata: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The controlling Eagle3Target's (name, uid), if the object is one of a target's children."""
-    for ref in metadata.get("ownerReferences") or []:
-        if (
-            ref.get("kind") == KIND
-            and ref.get("controller")
-            and ref.get("apiVersion", "").startswith(f"{GROUP}/")
-        ):
-            return ref["name"], ref["uid"]
-    return None
-
-
-def child_state(body: Mapping[str, Any], owner_uid: str) -> ChildState:
-    metadata = body["metadata"]
-    return ChildState(
-        api_version=body["apiVersion"],
-        kind=body["kind"],
-        name=metadata["name"],
-        uid=metadata["uid"],
-        resource_version=metadata.get("resourceVersion", ""),
-        owner_uid=owner_uid,
-        essence=copy.deepcopy(essence(body)),
-        deployment=deployment_view(body) if body["kind"] == "Deployment" else None,
-        job=job_view(body) if body["kind"] == "Job" else None,
-    )
-
-
-def essence(body: Mapping[str, Any]) -> dict[str, Any]:
-    metadata = body.get("metadata") or {}
-    kept = {k: metadata[k] for k in ("labels", "annotations", "ownerReferences") if k in metadata}
-    return {"metadata": kept, "spec": body.get("spec") or {}}
-
-
-def matches(desired: Any, observed: Any) -> bool:
-    """Whether every field the operator renders has that value in the observed object.
-
-    Fields the API server adds (defaults, status, clusterIP) are ignored; lists must match item by item;
-    quantities compare by value (the server stores 1 GPU as "1" and 1024Mi as "1Gi").
-    """
-    if isinstance(desired, Mapping):
-        return isinstance(observed, Mapping) and all(
-            key in observed and matches(value, observed[key]) for key, value in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(observed, list)
-            and len(desired) == len(observed)
-            and all(matches(d, o) for d, o in zip(desired, observed, strict=True))
-        )
-    if isinstance(desired, bool) or isinstance(observed, bool):  # True == 1 in Python, not in Kubernetes
-        return type(desired) is type(observed) and desired == observed
-    if desired == observed:
-        return True
-    if isinstance(desired, str | int) and isinstance(observed, str | int):
-        try:
-            return parse_quantity(desired) == parse_quantity(observed)
-        except ValueError:
-            return False
-    return False
 
 
 @dataclass
@@ -180,14 +76,8 @@ class _Memory:
     # one of them, it has not caught up with the last write, and the written status stands in for the stored.
     superseded: set[str] = field(default_factory=set)
     generation: int = 0  # of the last pass
-    # (kind, name) -> the resourceVersion this process's last apply left: unchanged since, it needs no check.
-    applied: dict[tuple[str, str], str] = field(default_factory=dict)
-    # What this process knows of children of UNWATCHED_KINDS (no index shows them): (kind, name) -> state,
-    # None when looked up and absent. Filled by one lookup per process, then by applies.
-    unwatched: dict[tuple[str, str], ChildState | None] = field(default_factory=dict)
+    children: ChildWrites = field(default_factory=ChildWrites)  # what this process's applies left
     failures: int = 0  # consecutive failed passes or refused applies
-    # The last refused apply: the rendering's digests, what status reports, and when to try again.
-    refused: tuple[tuple[str, ...], Failure, float] | None = None
     unknown: tuple[str, ...] = ()  # spec fields this operator does not know, already warned about
     monitor_recheck: asyncio.TimerHandle | None = None  # the pass asked for to see if PodMonitors exist yet
     pin: ImagePin = field(default_factory=ImagePin)  # the server image of the last rendering
@@ -225,7 +115,7 @@ class Reconciler:
         self._server_image = server_image
         self._prober: Prober[TargetKey] = Prober(self.request, interval=probe_interval)
         self._targets = targets
-        self._children = list(children)
+        self._children = ChildApplier(api, children)
         self._pods = pods
         self._clock = clock
         self._memory: dict[TargetKey, _Memory] = {}
@@ -293,7 +183,7 @@ class Reconciler:
 
     async def reconcile(self, key: TargetKey) -> str:
         """One pass; returns the result label for metrics (ok, invalid_spec, gone)."""
-        snapshot = _only(self._targets.get(key))
+        snapshot = only(self._targets.get(key))
         if snapshot is None or snapshot.deleting:
             self._forget(key)  # Deleted: owner references let the garbage collector remove the children.
             return "gone"
@@ -362,20 +252,17 @@ class Reconciler:
         tried again before its backoff delay unless the rendering changes.
         """
         namespace, name = key
+        writes = memory.children
         digests: tuple[str, ...] = ()
         try:
             monitors = await self._pod_monitors_served(key, spec, memory)
+            owned = self._children.owned(key)
             deployment = next(
-                (
-                    c.essence
-                    for c in self._owned_children(key)
-                    if c.kind == "Deployment" and c.owner_uid == snapshot.uid
-                ),
-                None,
+                (c.essence for c in owned if c.kind == "Deployment" and c.owner_uid == snapshot.uid), None
             )
             pin = memory.pin = pin_image(deployment, snapshot.upgrade, self._server_image)
             job_name = hydration_job_name(name, spec, pin)
-            job = next((c.job for c in self._owned_children(key) if c.job and c.job.name == job_name), None)
+            job = self._hydration_job(key, job_name)
             hydrated = job_name is None or (job is not None and job.complete)
             desired = build_children(
                 name,
@@ -388,18 +275,19 @@ class Reconciler:
                 pin=pin,
             )
             digests = tuple(rendered_digest(manifest) or "" for manifest in desired)
-            if memory.refused is not None:
-                refused_digests, failure, retry_at = memory.refused
-                if refused_digests == digests and time.monotonic() < retry_at:
-                    return {}, failure
-            applied = await self._apply_children(key, snapshot.uid, desired, memory, monitors, hydrated)
+            refused = writes.still_refused(digests)
+            if refused is not None:
+                return {}, refused
+            applied = await self._children.apply(
+                key, snapshot.uid, desired, writes, monitors=monitors, hydrated=hydrated
+            )
         except (KubeError, NameConflict) as error:
             failure = error.failure()
             delay = self._retry_later(key, memory)
             logger.warning("%s/%s: %s; trying again in %.0fs", namespace, name, failure.message, delay)
-            memory.refused = (digests, failure, time.monotonic() + delay)
+            writes.refuse(digests, failure, delay)
             return {}, failure
-        memory.refused = None
+        writes.refused = None
         return applied, None
 
     async def _pod_monitors_served(self, key: TargetKey, spec: Eagle3TargetSpec, memory: _Memory) -> bool:
@@ -419,88 +307,6 @@ class Reconciler:
             memory.monitor_recheck = asyncio.get_running_loop().call_later(MONITOR_RECHECK_SECONDS, recheck)
         return served
 
-    async def _apply_children(
-        self,
-        key: TargetKey,
-        uid: str,
-        desired: list[dict[str, Any]],
-        memory: _Memory,
-        monitors: bool,
-        hydrated: bool,
-    ) -> dict[str, dict[str, Any]]:
-        namespace, name = key
-        if monitors:
-            await self._look_up_unwatched(namespace, name, uid, memory)
-        observed: dict[tuple[str, str], ChildState] = {
-            (child.kind, child.name): child for child in self._owned_children(key) if child.owner_uid == uid
-        }
-        observed |= {child_key: state for child_key, state in memory.unwatched.items() if state is not None}
-        applied: dict[str, dict[str, Any]] = {}
-        for manifest in desired:
-            child_key = (manifest["kind"], manifest["metadata"]["name"])
-            current = observed.pop(child_key, None)
-            if manifest["kind"] == "Deployment" and not hydrated and current is not None:
-                continue  # Held as is (its pods may serve a previous revision) until the download completes.
-            if current is None and child_key not in memory.applied:
-                current = await self._existing(manifest, namespace, name)
-            if current is not None and not self._differs(manifest, current, memory):
-                continue
-            result = await self._api.apply(manifest)
-            metrics.CHILD_APPLIES.labels(kind=manifest["kind"]).inc()
-            memory.applied[child_key] = (result.get("metadata") or {}).get("resourceVersion", "")
-            if manifest["kind"] in UNWATCHED_KINDS:
-                memory.unwatched[child_key] = child_state(result, uid)
-            applied[manifest["kind"]] = result
-        for child in observed.values():
-            await self._api.delete(child.api_version, child.kind, namespace, child.name, child.uid)
-            memory.applied.pop((child.kind, child.name), None)
-            memory.unwatched[child.kind, child.name] = None
-        return applied
-
-    async def _existing(self, manifest: Mapping[str, Any], namespace: str, target: str) -> ChildState | None:
-        """A child the indexes do not show (yet): absent, ours (a watch lagging, or left by an earlier
-        target of this name, which the apply re-owns), or someone else's (NameConflict: never taken)."""
-        kind, child = manifest["kind"], manifest["metadata"]["name"]
-        body = await self._api.get(manifest["apiVersion"], kind, namespace, child)
-        if body is None:
-            return None
-        owner = controlling_target(body.get("metadata") or {})
-        if owner is None or owner[0] != target:
-            refs = [f"{r.get('kind')}/{r.get('name')}" for r in body["metadata"].get("ownerReferences") or []]
-            held = f"owned by {', '.join(refs)}" if refs else "not owned by any Eagle3Target"
-            raise NameConflict(
-                f"{kind} {namespace}/{child} already exists and is {held}; this target never takes it over:"
-                " delete or rename that object, or give the target another name"
-            )
-        return child_state(body, owner[1])
-
-    async def _look_up_unwatched(self, namespace: str, target: str, uid: str, memory: _Memory) -> None:
-        """Once per process, find this target's PodMonitor by its name (no index shows PodMonitors), so one
-        left by an earlier operator process is updated or deleted, not orphaned."""
-        child_key = ("PodMonitor", child_name(target))
-        if child_key in memory.unwatched:
-            return
-        manifest = {
-            "apiVersion": POD_MONITOR_API_VERSION,
-            "kind": "PodMonitor",
-            "metadata": {"name": child_key[1]},
-        }
-        try:
-            state = await self._existing(manifest, namespace, target)
-        except NameConflict:
-            state = None  # someone else's: left alone (and reported if the spec asks for a PodMonitor)
-        memory.unwatched[child_key] = state if state is None or state.owner_uid == uid else None
-
-    @staticmethod
-    def _differs(manifest: Mapping[str, Any], current: ChildState, memory: _Memory) -> bool:
-        """Whether to apply: the rendering moved (its digest), or someone else changed the child (drift)."""
-        if rendered_digest(current.essence) != rendered_digest(manifest):
-            return True
-        child_key = (manifest["kind"], manifest["metadata"]["name"])
-        if memory.applied.get(child_key) == current.resource_version:
-            return False  # exactly what this process's last apply left
-        return not matches(essence(manifest), current.essence)
-
     async def _observe(
         self,
         key: TargetKey,
@@ -515,8 +321,8 @@ class Reconciler:
             url = service_url(name, namespace, spec)
             probes = self._prober.watch(key, {} if spec.suspend else {url: url})
             return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
-        deployments = [c.deployment for c in self._owned_children(key) if c.deployment is not None]
-        deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else _only(deployments)
+        deployments = [c.deployment for c in self._children.owned(key) if c.deployment is not None]
+        deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else only(deployments)
         pods = [pod for pod in self._pods_of(key) if not pod.hydration]
         # Pods not ready yet are probed too: a loading server's 503 says how far it has come.
         running = {p.name: endpoint_address(p.ip, spec.port) for p in pods if p.ip and not p.terminating}
@@ -540,9 +346,7 @@ class Reconciler:
             return None
         source = spec.hugging_face
         described = f"{source.repo}@{hf_revision(spec)} into claim {source.cache_claim_name}"
-        job = next(
-            (c.job for c in self._owned_children(key) if c.job is not None and c.job.name == job_name), None
-        )
+        job = self._hydration_job(key, job_name)
         pods = [pod for pod in self._pods_of(key) if pod.hydration and not pod.terminating]
         running = [p.ip for p in pods if p.ip and not p.finished]
         progress = None
@@ -550,6 +354,12 @@ class Reconciler:
             url = endpoint_address(running[0], HYDRATION_PROGRESS_PORT)
             progress = describe_progress(await self._prober.hydration_progress(url))
         return hydration_state(described, job, pods, progress)
+
+    def _hydration_job(self, key: TargetKey, name: str | None) -> JobView | None:
+        """The hydration Job of this name as the indexes show it (None: not created yet, or no download)."""
+        return next(
+            (c.job for c in self._children.owned(key) if c.job is not None and c.job.name == name), None
+        )
 
     def _wake_at_startup_deadline(self, key: TargetKey, memory: _Memory, observation: Observation) -> None:
         """StartupTimeout is the one verdict time alone changes: ask for a pass when the next one falls."""
@@ -600,9 +410,6 @@ class Reconciler:
         namespace, name = key
         return list(self._pods.get((namespace, selector_labels(name)[LABEL_INSTANCE])) or ())
 
-    def _owned_children(self, key: TargetKey) -> list[ChildState]:
-        return [child for index in self._children for child in index.get(key) or ()]
-
     def _forget(self, key: TargetKey) -> None:
         memory = self._memory.pop(key, None)
         if memory is not None:
@@ -611,8 +418,3 @@ class Reconciler:
         self._instances.pop((key[0], selector_labels(key[1])[LABEL_INSTANCE]), None)
         self._published.pop(key, None)
         metrics.publish_targets(self._published.values())
-
-
-def _only(values: Iterable[T] | None) -> T | None:
-    """The single value a kopf index holds under a key (None if nothing is indexed there)."""
-    return next(iter(values), None) if values is not None else None
