@@ -5,6 +5,10 @@ renderer works on checked, typed values and so a spec that reached the operator 
 (an older CRD, a unit test) still fails with a readable `InvalidSpec` instead of a broken Deployment.
 Field names and defaults match the CRD exactly; tests/eagle3_operator/test_spec.py keeps them in step.
 
+This module holds the target's own fields, the rules across them and the parsing; the models it nests live
+in model_source.py (which model, and where its weights come from) and pod_settings.py (the core/v1
+settings passed through to the server pods), all on spec_fields.py's base.
+
 Fields this operator does not know are ignored, not refused: a newer CRD may add (and default) fields
 that the API server fills into every stored target, and an older operator must keep serving those
 targets. `unknown_fields` names them so the operator can warn.
@@ -17,52 +21,32 @@ from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
 
 from eagle3_target.engines import ENGINES
 from kubernetes.utils import parse_quantity
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from eagle3_operator.constants import (
-    DEFAULT_CONTAINER_ANNOTATION,
-    OPERATOR_ENV,
-    OPERATOR_LABEL_KEYS,
-    OPERATOR_MOUNT_PATHS,
-    OPERATOR_VOLUMES,
+from eagle3_operator.constants import OPERATOR_ENV, OPERATOR_VOLUMES
+from eagle3_operator.model_source import HuggingFaceSource, ModelSource, ModelSpec, SecretKeyRef
+from eagle3_operator.pod_settings import (
+    EnvVar,
+    LabelSelector,
+    LocalObjectReference,
+    PodMetadata,
+    PodSecurity,
+    ResourceRequirements,
+    Toleration,
+    TopologySpreadConstraint,
+    Volume,
+    VolumeMount,
 )
+from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
 
-# Kubernetes' resource.Quantity grammar (the pattern generated CRDs use for quantities).
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 ENGINE_ARG_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$"
-HF_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*$"
-GPU_RESOURCE = "nvidia.com/gpu"
 # Server flags the typed fields own; an engineArgs entry must not override them behind the spec's back.
 RESERVED_ENGINE_ARGS = frozenset(
     {"model", "dtype", "tensor-parallel-size", "max-model-len", "port", "host", "trust-remote-code"}
 )
-
-DNSName = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
-# A volume's name: a DNS-1123 label, as core/v1 requires.
-VolumeName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
-Quantity = Annotated[str | int, Field(union_mode="left_to_right")]
 # maxSurge / maxUnavailable: a pod count or a percentage of replicas.
 IntOrPercent = Annotated[int | str, Field(union_mode="left_to_right")]
 PERCENT_PATTERN = r"^[0-9]+%$"
-# A label or annotation key: an optional DNS-subdomain prefix and a name (core/v1's qualified name).
-QUALIFIED_NAME_PATTERN = (
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 # /dev/shm for NCCL's shared-memory transport between the GPUs of one pod and vLLM's inter-process queues:
 # 16Gi covers tensor parallelism across 8 GPUs with room to spare. It is a ceiling, not a reservation, but
@@ -74,201 +58,7 @@ class InvalidSpec(ValueError):
     """The spec cannot be rendered; the message says which field and why, for status and events."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
-
-
-class SecretKeyRef(_Model):
-    name: DNSName
-    key: str = Field("token", min_length=1, max_length=253)
-
-
-class PvcSource(_Model):
-    claim_name: DNSName
-    sub_path: str | None = Field(None, pattern=r"^[^/].*$")
-
-    @field_validator("sub_path")
-    @classmethod
-    def _no_parent_dirs(cls, value: str | None) -> str | None:
-        if value is not None and ".." in value.split("/"):
-            raise ValueError("must not contain '..'")
-        return value
-
-
-class HostPathSource(_Model):
-    path: str = Field(pattern=r"^/")
-
-
-class HuggingFaceSource(_Model):
-    repo: str = Field(pattern=HF_REPO_PATTERN, max_length=200)
-    revision: str | None = Field(None, pattern=HF_REVISION_PATTERN, max_length=200)
-    token_secret_ref: SecretKeyRef | None = None
-    cache_claim_name: DNSName
-
-
-class ModelSource(_Model):
-    pvc: PvcSource | None = None
-    host_path: HostPathSource | None = None
-    hugging_face: HuggingFaceSource | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Self:
-        if sum(s is not None for s in (self.pvc, self.host_path, self.hugging_face)) != 1:
-            raise ValueError("exactly one of pvc, hostPath, huggingFace must be set")
-        return self
-
-
-class ModelSpec(_Model):
-    name: str = Field(min_length=1, max_length=253)
-    revision: str | None = Field(None, max_length=200)
-    source: ModelSource | None = None
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
-    trust_remote_code: bool = False
-
-
-class ResourceRequirements(_Model):
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
-
-    @field_validator("requests", "limits")
-    @classmethod
-    def _quantities(cls, value: dict[str, str | int]) -> dict[str, str | int]:
-        for name, quantity in value.items():
-            if name == GPU_RESOURCE:
-                raise ValueError(f"{GPU_RESOURCE} comes from tensorParallelSize; do not set it here")
-            if not re.match(QUANTITY_PATTERN, str(quantity)):
-                raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (e.g. 500m, 16Gi)")
-        return value
-
-
-class Toleration(_Model):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
-
-
-class LocalObjectReference(_Model):
-    name: DNSName
-
-
-class EnvVar(_Model):
-    """A core/v1 EnvVar for the server container; `valueFrom` is checked by the API server on the pod."""
-
-    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-    value: str | None = None
-    value_from: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _one_value(self) -> Self:
-        if self.value is not None and self.value_from is not None:
-            raise ValueError("set value or valueFrom, not both")
-        return self
-
-
-class Volume(_Model):
-    """A core/v1 Volume: the name is checked here, the source (emptyDir, a claim, ...) by the API."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: VolumeName
-
-
-class VolumeMount(_Model):
-    name: VolumeName
-    mount_path: str = Field(min_length=1, max_length=4096, pattern=r"^/")
-    read_only: bool | None = None
-    sub_path: str | None = Field(None, max_length=1024)
-    sub_path_expr: str | None = Field(None, max_length=1024)
-    mount_propagation: Literal["None", "HostToContainer", "Bidirectional"] | None = None
-    recursive_read_only: Literal["Disabled", "IfPossible", "Enabled"] | None = None
-
-    @field_validator("mount_path")
-    @classmethod
-    def _clear_of_operator_mounts(cls, value: str) -> str:
-        if any(_overlaps(value, path) for path in OPERATOR_MOUNT_PATHS):
-            raise ValueError(
-                f"{value} overlaps a path the operator mounts ({', '.join(OPERATOR_MOUNT_PATHS)})"
-            )
-        return value
-
-
-def _overlaps(path: str, other: str) -> bool:
-    """Whether mounting at `path` would hide or land inside `other` (or is it)."""
-    path, other = path.rstrip("/") or "/", other.rstrip("/")
-    return path == other or other.startswith(f"{path.rstrip('/')}/") or path.startswith(f"{other}/")
-
-
-class PodMetadata(_Model):
-    """Extra labels and annotations for the server pods (e.g. Kueue's queue name, a mesh opt-out)."""
-
-    labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
-        default_factory=dict
-    )
-    annotations: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("labels", "annotations")
-    @classmethod
-    def _keys(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        reserved = OPERATOR_LABEL_KEYS if info.field_name == "labels" else (DEFAULT_CONTAINER_ANNOTATION,)
-        for key in value:
-            if not re.match(QUALIFIED_NAME_PATTERN, key) or len(key) > 316:
-                raise ValueError(f"key {key!r} is not a qualified name such as example.com/team")
-            if key in reserved:
-                raise ValueError(f"key {key!r} is set by the operator")
-        return value
-
-
-class LabelSelectorRequirement(_Model):
-    key: str = Field(min_length=1, max_length=316)
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[str] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _values_match_operator(self) -> Self:
-        if (self.operator in ("In", "NotIn")) != bool(self.values):
-            raise ValueError("In and NotIn need values; Exists and DoesNotExist take none")
-        return self
-
-
-class LabelSelector(_Model):
-    match_labels: dict[str, str] = Field(default_factory=dict)
-    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
-
-
-class TopologySpreadConstraint(_Model):
-    """A core/v1 TopologySpreadConstraint; without a labelSelector it spreads this target's pods."""
-
-    max_skew: int = Field(ge=1)
-    topology_key: str = Field(min_length=1, max_length=316)
-    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"]
-    label_selector: LabelSelector | None = None
-    min_domains: int | None = Field(None, ge=1)
-    node_affinity_policy: Literal["Honor", "Ignore"] | None = None
-    node_taints_policy: Literal["Honor", "Ignore"] | None = None
-    match_label_keys: list[str] = Field(default_factory=list)
-
-
-class PodSecurity(_Model):
-    """Which user and groups the server runs as: the image's own (10001, group 0) unless set here, or none
-    at all with `platformAssignedIds`, so OpenShift's restricted SCC assigns them from the namespace."""
-
-    run_as_user: int | None = Field(None, ge=1, le=2147483647)
-    run_as_group: int | None = Field(None, ge=0, le=2147483647)
-    fs_group: int | None = Field(None, ge=0, le=2147483647)
-    platform_assigned_ids: bool = False
-
-    @model_validator(mode="after")
-    def _ids_or_platform(self) -> Self:
-        if self.platform_assigned_ids and (
-            self.run_as_user is not None or self.run_as_group is not None or self.fs_group is not None
-        ):
-            raise ValueError("platformAssignedIds leaves the ids to the platform; do not set them too")
-        return self
-
-
-class RolloutSpec(_Model):
+class RolloutSpec(SpecModel):
     """The Deployment's rolling update; the defaults never ask for a GPU beyond the replicas' own."""
 
     max_surge: IntOrPercent = 0
@@ -294,11 +84,11 @@ def _zero(value: int | str) -> bool:
     return value in (0, "0%")
 
 
-class AuthSpec(_Model):
+class AuthSpec(SpecModel):
     token_secret_ref: SecretKeyRef
 
 
-class NetworkPolicySpec(_Model):
+class NetworkPolicySpec(SpecModel):
     """Who may reach the server: its data routes return a frontier model's internals."""
 
     enabled: bool = False
@@ -308,22 +98,22 @@ class NetworkPolicySpec(_Model):
     namespace_selector: LabelSelector | None = None
 
 
-class PodMonitorSpec(_Model):
+class PodMonitorSpec(SpecModel):
     enabled: bool = False
     interval: str = Field("30s", pattern=r"^([0-9]+(ms|s|m|h))+$")
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-class MonitoringSpec(_Model):
+class MonitoringSpec(SpecModel):
     pod_monitor: PodMonitorSpec = Field(default_factory=PodMonitorSpec)
     metrics_port: int = Field(9090, ge=1024, le=65535)
 
 
-class EndpointSpec(_Model):
+class EndpointSpec(SpecModel):
     url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
 
 
-class Eagle3TargetSpec(_Model):
+class Eagle3TargetSpec(SpecModel):
     model: ModelSpec | None = None
     engine: Literal["vllm", "hf"] = "vllm"
     aux_layer_ids: list[Annotated[int, Field(ge=0, le=1024)]] | None = None
