@@ -3,10 +3,10 @@
 Every trigger (the target changed, a child or pod changed, a probe result changed, a startup deadline came)
 just asks for a pass over one target; requests that arrive while a pass runs fold into a single follow-up
 pass. A pass reads only in-memory state (kopf's indexes of the target, its children and its pods, see
-indexes.py, and the prober's latest results), so it makes API calls only to change something: a child that
-differs from what is rendered (or is missing, or should not exist) is applied or deleted (children.py), and
-the status is patched with just the keys that changed. Probing never happens inside a pass (probe.py), so
-a hung server cannot hold a reconcile worker.
+indexes.py, and the prober's latest results), so it makes API calls only to change something: a child
+that differs from what is rendered (or is missing, or should not exist) is applied or deleted
+(child_applier.py), and the status is patched with just the keys that changed. Probing never happens
+inside a pass (probe.py), so a hung server cannot hold a reconcile worker.
 """
 
 import asyncio
@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from eagle3_operator import metrics
-from eagle3_operator.children import ChildApplier, ChildWrites
+from eagle3_operator.child_applier import ChildApplier, ChildWrites
 from eagle3_operator.constants import HYDRATION_PROGRESS_PORT, LABEL_INSTANCE, POD_MONITOR_API_VERSION
 from eagle3_operator.indexes import ChildState, TargetKey, TargetSnapshot, only
 from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef

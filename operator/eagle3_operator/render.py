@@ -39,8 +39,8 @@ from eagle3_operator.constants import (
     SHM_MOUNT,
     WAIT_CONTAINER,
 )
-from eagle3_operator.pod_settings import GPU_RESOURCE
 from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_operator.spec_pod_settings import GPU_RESOURCE
 
 # The server image new targets that name no image get: the release matching this operator (the operator's
 # --server-image overrides it, e.g. for a registry mirror).

@@ -5,9 +5,9 @@ renderer works on checked, typed values and so a spec that reached the operator 
 (an older CRD, a unit test) still fails with a readable `InvalidSpec` instead of a broken Deployment.
 Field names and defaults match the CRD exactly; tests/eagle3_operator/test_spec.py keeps them in step.
 
-This module holds the target's own fields, the rules across them and the parsing; the models it nests live
-in model_source.py (which model, and where its weights come from) and pod_settings.py (the core/v1
-settings passed through to the server pods), all on spec_fields.py's base.
+This module holds the target's own fields, the rules across them and the parsing; the models it nests
+live in spec_model_source.py (which model, and where its weights come from) and spec_pod_settings.py (the
+core/v1 settings passed through to the server pods), all on spec_fields.py's base.
 
 Fields this operator does not know are ignored, not refused: a newer CRD may add (and default) fields
 that the API server fills into every stored target, and an older operator must keep serving those
@@ -24,8 +24,9 @@ from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from eagle3_operator.constants import OPERATOR_ENV, OPERATOR_VOLUMES
-from eagle3_operator.model_source import HuggingFaceSource, ModelSource, ModelSpec, SecretKeyRef
-from eagle3_operator.pod_settings import (
+from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
+from eagle3_operator.spec_model_source import HuggingFaceSource, ModelSource, ModelSpec, SecretKeyRef
+from eagle3_operator.spec_pod_settings import (
     EnvVar,
     LabelSelector,
     LocalObjectReference,
@@ -37,7 +38,6 @@ from eagle3_operator.pod_settings import (
     Volume,
     VolumeMount,
 )
-from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
 
 ENGINE_ARG_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 # Server flags the typed fields own; an engineArgs entry must not override them behind the spec's back.

@@ -4,7 +4,7 @@ included) and what counts as "someone else changed the child" (drift)."""
 import copy
 
 import pytest
-from eagle3_operator.children import matches
+from eagle3_operator.child_applier import matches
 from eagle3_operator.constants import ANNOTATION_RENDERED_DIGEST
 from eagle3_operator.indexes import essence
 from eagle3_operator.render import (
