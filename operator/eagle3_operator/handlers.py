@@ -29,7 +29,7 @@ from eagle3_operator.kube import KubeApi
 from eagle3_operator.reconciler import Reconciler
 from eagle3_operator.render import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
-from eagle3_operator.status import pod_view
+from eagle3_operator.status.observe import pod_view
 
 # The operator's own registry (not kopf's global one), so importing this module has no side effects elsewhere.
 registry = kopf.OperatorRegistry()

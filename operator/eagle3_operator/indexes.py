@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from eagle3_target.protocol import GROUP, KIND
 
-from eagle3_operator.status import DeploymentView, JobView, deployment_view, job_view
+from eagle3_operator.status.observation import DeploymentView, JobView
+from eagle3_operator.status.observe import deployment_view, job_view
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from kubernetes.aio import config as aio_config
 from eagle3_operator import metrics
 from eagle3_operator.constants import ANNOTATION_SCHEMA_VERSION, CHILD_KINDS
 from eagle3_operator.settings import OperatorConfig
-from eagle3_operator.status import Failure, timestamp
+from eagle3_operator.status.observation import Failure, timestamp
 
 LEASES = "coordination.k8s.io/v1"
 DISCOVERY_TTL_SECONDS = 300.0

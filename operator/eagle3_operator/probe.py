@@ -24,7 +24,7 @@ from eagle3_target.protocol import HydrationProgress, LoadProgress, ServedModel,
 from pydantic import ValidationError
 
 from eagle3_operator import metrics
-from eagle3_operator.status import ProbeResult
+from eagle3_operator.status.observation import ProbeResult
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)

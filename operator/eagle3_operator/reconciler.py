@@ -39,21 +39,17 @@ from eagle3_operator.render import (
     service_url,
 )
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
-from eagle3_operator.status import (
+from eagle3_operator.status.conditions import Transition, transitions
+from eagle3_operator.status.document import compute_status, status_patch
+from eagle3_operator.status.observation import (
     Failure,
     Hydration,
     JobView,
     Observation,
     PodView,
-    Transition,
-    compute_status,
-    deployment_view,
-    describe_progress,
     endpoint_address,
-    hydration_state,
-    status_patch,
-    transitions,
 )
+from eagle3_operator.status.observe import deployment_view, describe_progress, hydration_state
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 from eagle3_operator.probe import NOT_PROBED, Prober
-from eagle3_operator.status import ProbeResult
+from eagle3_operator.status.observation import ProbeResult
 from eagle3_target.hydrate import ProgressTracker, serve_progress
 from eagle3_target.protocol import HydrationProgress
 from eagle3_target.server.app import create_app

@@ -6,22 +6,17 @@ from typing import Any
 
 import yaml
 from eagle3_operator.spec import Eagle3TargetSpec
-from eagle3_operator.status import (
-    STATUS_KEYS,
+from eagle3_operator.status.conditions import transitions
+from eagle3_operator.status.document import STATUS_KEYS, compute_status, status_patch
+from eagle3_operator.status.observation import (
     DeploymentView,
     Failure,
     JobView,
     Observation,
     PodView,
     ProbeResult,
-    compute_status,
-    deployment_view,
-    describe_progress,
-    hydration_state,
-    pod_view,
-    status_patch,
-    transitions,
 )
+from eagle3_operator.status.observe import deployment_view, describe_progress, hydration_state, pod_view
 from eagle3_target.protocol import HydrationProgress, ServedModel
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -1,0 +1,138 @@
+"""What status is computed from: the typed record of one target's objects and server probes at one moment.
+
+The reconciler fills these from its caches and probes; everything else in the package reads only them,
+which is why status needs no cluster to test. Also the small shared vocabulary: a failure (reason and
+message) with the order in which reasons are reported, timestamps as the API writes them, and the address
+of a server at a pod IP.
+"""
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from eagle3_target.protocol import ServedModel
+
+from eagle3_operator.spec import Eagle3TargetSpec
+
+EPOCH = datetime.fromtimestamp(0, UTC)
+# When several things fail differently, the reason reported is the first in this order (most actionable).
+# The first ones are the API server's answers to applying a child (kube.KubeError.failure).
+FAILURE_PRIORITY = (
+    "NameConflict",
+    "AdmissionDenied",
+    "QuotaExceeded",
+    "Forbidden",
+    "Conflict",
+    "ApplyFailed",
+    "InvalidSpec",
+    "Unschedulable",
+    "ImagePullBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "ModelDownloadFailed",
+    "ModelLoadFailed",
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "ReplicaFailure",
+    "StartupTimeout",
+    "ProgressDeadlineExceeded",
+    "EndpointUnreachable",
+    "FingerprintMismatch",
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The parts of a target pod that status needs; small, because one is kept in memory per pod."""
+
+    name: str
+    ip: str | None
+    node: str | None
+    ready: bool  # the pod's own Ready condition (kubelet probes)
+    terminating: bool
+    created: datetime | None
+    started: datetime | None  # when the server container last started running (the startup budget's start)
+    failure: Failure | None  # a failure readable from the pod alone (not time-based)
+    progress: str | None = None  # what a pod that does not serve yet is doing, as far as the pod says
+    identity: tuple[str, ...] = ()  # render.model_identity of the pod's server command
+    hydration: bool = False  # a pod of the hydration Job, not a server pod
+    finished: bool = False  # phase Succeeded or Failed: it will never run again
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The hydration Job's outcome so far."""
+
+    name: str
+    complete: bool
+    failure: Failure | None  # the Job gave up (backoff limit, or a download that cannot succeed)
+
+
+@dataclass(frozen=True)
+class Hydration:
+    """A huggingFace source's download into its cache claim, as status reports it."""
+
+    source: str  # repo@revision into claim, for messages
+    complete: bool
+    failure: Failure | None = None
+    progress: str | None = None  # files and bytes done, when the running download says
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    generation: int
+    observed_generation: int
+    desired: int  # .spec.replicas
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    failure: Failure | None  # ReplicaFailure or ProgressDeadlineExceeded from its conditions
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One server's answer: ready means /readyz said 200 and /v1/info parsed; else `error` says why."""
+
+    ready: bool
+    info: ServedModel | None = None  # what /v1/info reported, as status.model publishes it
+    error: str | None = None
+    reachable: bool = True
+    progress: str | None = None  # a loading server's own account of its load (the message of its 503)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything known about one target at one moment."""
+
+    generation: int
+    spec: Eagle3TargetSpec | None
+    spec_error: str | None = None
+    url: str | None = None
+    selector: str | None = None
+    deployment: DeploymentView | None = None
+    pods: Sequence[PodView] = ()
+    probes: Mapping[str, ProbeResult] = field(default_factory=dict)  # by pod name, or the URL when external
+    hydration: Hydration | None = None  # only for huggingFace sources
+    identity: tuple[str, ...] = ()  # render.model_identity of the server command the current spec renders
+    apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
+
+
+def timestamp(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+
+
+def endpoint_address(ip: str, port: int) -> str:
+    """The base URL of a server at a pod IP (IPv6 addresses in brackets, as URLs need them)."""
+    host = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+    return f"http://{host}:{port}"
