@@ -2,7 +2,8 @@
 
 handlers.py fills the indexes from kopf's watches; a reconcile pass reads only them (and the prober's
 results), so these records hold just what a pass needs: a target's spec, status and identity, and of each
-child what drift compares and how far a Deployment or Job has come. Pods are indexed as status.py's views.
+child what drift compares and how far a Deployment or Job has come. Pods are indexed as PodViews
+(status/observation.py).
 """
 
 import copy
