@@ -30,7 +30,7 @@ from typing import Any
 
 import kubernetes
 import torch
-from eagle3_operator import render
+from eagle3_operator.render.names import selector_labels
 from eagle3_target.client import TargetClient, resolve
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
@@ -98,7 +98,7 @@ class PodServers:
 
     def sync(self) -> dict[str, str]:
         """Start a server for each pod that has an IP and none yet; returns every pod served so far."""
-        selector = ",".join(f"{k}={v}" for k, v in render.selector_labels(TARGET).items())
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(TARGET).items())
         for pod in self.core.list_namespaced_pod(TARGET_NAMESPACE, label_selector=selector).items:
             assert pod.metadata is not None and pod.metadata.name is not None and pod.status is not None
             if pod.metadata.name in self.serving or not pod.status.pod_ip:

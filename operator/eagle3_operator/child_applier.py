@@ -18,7 +18,8 @@ from eagle3_operator import metrics
 from eagle3_operator.constants import CHILD_KINDS, POD_MONITOR_API_VERSION
 from eagle3_operator.indexes import ChildState, TargetKey, child_state, controlling_target, essence
 from eagle3_operator.kube import KubeApi, NameConflict
-from eagle3_operator.render import child_name, rendered_digest
+from eagle3_operator.render.children import rendered_digest
+from eagle3_operator.render.names import child_name
 from eagle3_operator.status.observation import Failure
 
 # Children whose kind has no index (its CRD may not even exist): looked up by name once per operator

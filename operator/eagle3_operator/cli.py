@@ -33,7 +33,7 @@ from eagle3_operator import handlers
 from eagle3_operator.constants import CRD_SCHEMA_VERSION
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.leader import LeaderElector
-from eagle3_operator.render import DEFAULT_IMAGE
+from eagle3_operator.render.server_image import DEFAULT_IMAGE
 from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from eagle3_operator.constants import (
 from eagle3_operator.indexes import TargetKey, TargetSnapshot, child_state, controlling_target
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.reconciler import Reconciler
-from eagle3_operator.render import Neighbours
+from eagle3_operator.render.network import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
 from eagle3_operator.status.observe import pod_view
 

@@ -23,21 +23,13 @@ from eagle3_operator.constants import HYDRATION_PROGRESS_PORT, LABEL_INSTANCE, P
 from eagle3_operator.indexes import ChildState, TargetKey, TargetSnapshot, only
 from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef
 from eagle3_operator.probe import Prober
-from eagle3_operator.render import (
-    DEFAULT_IMAGE,
-    ImagePin,
-    Neighbours,
-    build_children,
-    hf_revision,
-    hydration_job_name,
-    label_selector,
-    model_identity,
-    pin_image,
-    rendered_digest,
-    selector_labels,
-    server_args,
-    service_url,
-)
+from eagle3_operator.render.children import build_children, rendered_digest
+from eagle3_operator.render.hydration import hydration_job_name
+from eagle3_operator.render.model_source import hf_revision
+from eagle3_operator.render.names import label_selector, selector_labels
+from eagle3_operator.render.network import Neighbours, service_url
+from eagle3_operator.render.server_command import model_identity, server_args
+from eagle3_operator.render.server_image import DEFAULT_IMAGE, ImagePin, pin_image
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status.conditions import Transition, transitions
 from eagle3_operator.status.document import compute_status, status_patch

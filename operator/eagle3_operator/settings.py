@@ -8,7 +8,7 @@ import kopf
 from eagle3_target.protocol import FIELD_MANAGER, GROUP
 
 from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
-from eagle3_operator.render import DEFAULT_IMAGE
+from eagle3_operator.render.server_image import DEFAULT_IMAGE
 
 # Project-prefixed names, so kopf's markers (should any ever be written) are recognisably ours.
 PERSISTENCE_PREFIX = GROUP

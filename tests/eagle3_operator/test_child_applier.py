@@ -7,16 +7,11 @@ import pytest
 from eagle3_operator.child_applier import matches
 from eagle3_operator.constants import ANNOTATION_RENDERED_DIGEST
 from eagle3_operator.indexes import essence
-from eagle3_operator.render import (
-    build_children,
-    build_deployment,
-    build_service,
-    model_identity,
-    owner_reference,
-    rendered_digest,
-    server_args,
-    stamp_digest,
-)
+from eagle3_operator.render.children import build_children, rendered_digest, stamp_digest
+from eagle3_operator.render.deployment import build_deployment
+from eagle3_operator.render.names import owner_reference
+from eagle3_operator.render.network import build_service
+from eagle3_operator.render.server_command import model_identity, server_args
 from eagle3_operator.spec import Eagle3TargetSpec
 
 SPEC = Eagle3TargetSpec.parse(

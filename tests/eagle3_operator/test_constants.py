@@ -1,11 +1,11 @@
 """The child-kind table covers exactly what the renderer builds, and every child carries the watched label."""
 
-from eagle3_operator import render
 from eagle3_operator.constants import CHILD_KINDS, MANAGED_LABELS, WATCHED_CHILD_KINDS
 from eagle3_operator.kube import object_path
+from eagle3_operator.render.children import build_children
 from eagle3_operator.spec import Eagle3TargetSpec
 
-UID = "0b6f7f4e-5a1c-4d53-9d0e-1f2a3b4c5d6e"
+from support.rendering import UID
 
 
 def test_the_table_lists_every_rendered_kind_once():
@@ -17,7 +17,7 @@ def test_the_table_lists_every_rendered_kind_once():
             "networkPolicy": {"enabled": True},
         }
     )
-    rendered = render.build_children("tiny", "ml", UID, spec, pod_monitor_supported=True)
+    rendered = build_children("tiny", "ml", UID, spec, pod_monitor_supported=True)
     table = {(child.api_version, child.kind) for child in CHILD_KINDS}
     assert {(child["apiVersion"], child["kind"]) for child in rendered} == table
     assert len(table) == len(CHILD_KINDS)

@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes
 import pytest
 import yaml
-from eagle3_operator import render
+from eagle3_operator.render.names import label_selector
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_target.protocol import API_VERSION, KIND, PLURAL
 
@@ -311,7 +311,7 @@ def publish_status(targets, namespace: str, name: str, ready: str) -> None:
         "replicas": 2,
         "readyReplicas": 2 if ready == "True" else 0,
         "readyDesired": "2/2" if ready == "True" else "0/2",
-        "selector": render.label_selector(name),
+        "selector": label_selector(name),
     }
     targets.status.patch(
         body={"status": status}, name=name, namespace=namespace, content_type="application/merge-patch+json"
@@ -344,7 +344,7 @@ def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
     cluster.kubectl("scale", "e3t/served", "--replicas=3", "-n", namespace)
     assert targets.get(name="served", namespace=namespace).spec.replicas == 3
     scale = json.loads(cluster.kubectl("get", "--raw", scale_path(namespace, "served")).stdout)
-    assert scale["status"]["selector"] == render.label_selector("served")
+    assert scale["status"]["selector"] == label_selector("served")
     assert scale["status"]["replicas"] == 2
 
 

@@ -61,7 +61,7 @@ class PodView:
     started: datetime | None  # when the server container last started running (the startup budget's start)
     failure: Failure | None  # a failure readable from the pod alone (not time-based)
     progress: str | None = None  # what a pod that does not serve yet is doing, as far as the pod says
-    identity: tuple[str, ...] = ()  # render.model_identity of the pod's server command
+    identity: tuple[str, ...] = ()  # render.server_command.model_identity of the pod's server command
     hydration: bool = False  # a pod of the hydration Job, not a server pod
     finished: bool = False  # phase Succeeded or Failed: it will never run again
 
@@ -120,7 +120,7 @@ class Observation:
     pods: Sequence[PodView] = ()
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)  # by pod name, or the URL when external
     hydration: Hydration | None = None  # only for huggingFace sources
-    identity: tuple[str, ...] = ()  # render.model_identity of the server command the current spec renders
+    identity: tuple[str, ...] = ()  # render.server_command.model_identity of the current spec's command
     apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
 
 

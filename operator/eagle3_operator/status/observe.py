@@ -18,7 +18,7 @@ from eagle3_operator.constants import (
     SERVER_CONTAINER,
     WAIT_CONTAINER,
 )
-from eagle3_operator.render import model_identity
+from eagle3_operator.render.server_command import model_identity
 from eagle3_operator.status.observation import (
     EPOCH,
     DeploymentView,
@@ -40,7 +40,7 @@ WAITING_FAILURES = {
 }
 # Containers whose non-zero exit explains why a pod does not serve, with the reason the status reports.
 # The server exits with EXIT_INVALID_SETTINGS or EXIT_LOAD_FAILED (and one line saying why) when it cannot
-# load the model; the download's message is the tail of its log (terminationMessagePolicy in render.py).
+# load the model; the download's message is its log's tail (terminationMessagePolicy in render/hydration.py).
 EXIT_FAILURES = {DOWNLOAD_CONTAINER: "ModelDownloadFailed", SERVER_CONTAINER: "ModelLoadFailed"}
 # Server pods in these phases are finished (evicted, refused by the kubelet's admission, shut down with
 # their node, or exited): the ReplicaSet has replaced them, so they are neither endpoints nor replicas.

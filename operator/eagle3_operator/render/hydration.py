@@ -1,0 +1,133 @@
+"""The hydration Job of a Hugging Face source and the init container that makes server pods wait for it.
+
+One Job per (repository, revision, cache claim, image) fills the cache claim for every replica, so N replicas
+never download the same weights N times and no server pod loads a half-written snapshot.
+"""
+
+import json
+from typing import Any
+
+from eagle3_operator.constants import (
+    DOWNLOAD_CONTAINER,
+    HYDRATION_COMPONENT,
+    HYDRATION_PROGRESS_PORT,
+    LABEL_COMPONENT,
+    LABEL_INSTANCE,
+    MANAGED_LABELS,
+    MODEL_MOUNT,
+    WAIT_CONTAINER,
+)
+from eagle3_operator.render.model_source import hf_model_dir, hf_revision, model_volume
+from eagle3_operator.render.names import (
+    HASH_LENGTH,
+    NAME_LIMIT,
+    child_metadata,
+    child_name,
+    fit_name,
+    instance_label,
+    short_hash,
+)
+from eagle3_operator.render.pod_parts import container_security, placement_and_pulls, pod_security
+from eagle3_operator.render.server_image import ImagePin
+from eagle3_operator.spec import Eagle3TargetSpec
+
+
+def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
+    """The hydration Job's container: `eagle3-target hydrate` fills the cache claim from the Hub, keeping
+    files already there, and marks the directory complete only once every file is whole."""
+    source = spec.hugging_face
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if source.token_secret_ref is not None:
+        ref = source.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return {
+        "name": DOWNLOAD_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        # original/ holds the checkpoint again in Meta's format, which transformers and vLLM never read.
+        "command": [
+            *("eagle3-target", "hydrate", "--repo", source.repo, "--revision", hf_revision(spec)),
+            *("--local-dir", hf_model_dir(spec), "--exclude", "original/*"),
+            *("--progress-port", str(HYDRATION_PROGRESS_PORT)),
+        ],
+        "env": env,
+        "ports": [{"name": "progress", "containerPort": HYDRATION_PROGRESS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        # The Hub's refusal (a gated repo, a bad token, a missing revision) is the termination message;
+        # a crash before it could write one leaves the tail of the log instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security(),
+    }
+
+
+def wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
+    """Init container of every server pod: it holds the server back until the hydration Job has marked the
+    download complete, so a half-downloaded model is never loaded."""
+    return {
+        "name": WAIT_CONTAINER,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["eagle3-target", "wait-for-model", "--local-dir", hf_model_dir(spec)],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "securityContext": container_security(),
+    }
+
+
+def _hydration_job_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dict[str, Any]:
+    image = spec.image or pin.image
+    pod: dict[str, Any] = {
+        # Never: a failed attempt stays as a pod whose termination message says why; the Job retries.
+        "restartPolicy": "Never",
+        "containers": [_download_container(spec, image)],
+        "volumes": [model_volume(spec)[0]],
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(spec),
+        **placement_and_pulls(spec),
+    }
+    labels = {LABEL_INSTANCE: instance_label(name), LABEL_COMPONENT: HYDRATION_COMPONENT, **MANAGED_LABELS}
+    return {
+        "backoffLimit": 4,
+        # Exit 2 (no such repository or revision, no access): retrying cannot help, fail the Job at once.
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": DOWNLOAD_CONTAINER, "operator": "In", "values": [2]},
+                }
+            ]
+        },
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+
+
+def hydration_job_name(name: str, spec: Eagle3TargetSpec, pin: ImagePin = ImagePin()) -> str | None:
+    """The hydration Job's name for this spec (None without a huggingFace source). It changes with what the
+    Job would do, because a Job's pod template cannot change: a new source, revision, claim or image gets a
+    new Job, which finds a snapshot that is already complete marked and ends at once."""
+    if spec.model is None or spec.model.source is None or spec.model.source.hugging_face is None:
+        return None
+    digest = short_hash(json.dumps(_hydration_job_spec(name, spec, pin), sort_keys=True))
+    return fit_name(f"{child_name(name)[: NAME_LIMIT - 2 * HASH_LENGTH - 11]}-hydrate-{digest}")
+
+
+def build_hydration_job(
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], pin: ImagePin = ImagePin()
+) -> dict[str, Any] | None:
+    """One download per (repository, revision, cache claim): a Job that fills the claim for every replica."""
+    job_name = hydration_job_name(name, spec, pin)
+    if job_name is None:
+        return None
+    metadata = child_metadata(job_name, name, namespace, owner)
+    metadata["labels"][LABEL_COMPONENT] = HYDRATION_COMPONENT
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata,
+        "spec": _hydration_job_spec(name, spec, pin),
+    }

@@ -1,0 +1,52 @@
+"""What the server pods and the hydration Job's download pod share: their security contexts, the nodes they
+may run on and the secrets they pull the image with. One definition keeps the two pods from drifting apart
+(the download must run wherever the server may, under the same restrictions)."""
+
+from typing import Any
+
+from eagle3_operator.spec import Eagle3TargetSpec
+
+# The target image's non-root user and group (image/Dockerfile), set explicitly so that runAsNonRoot also
+# holds for custom images; fsGroup makes a download cache PVC writable for that user.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 0
+
+
+def container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    """Non-root with the runtime's seccomp profile always; the ids are the image's unless the spec says
+    otherwise, and none at all when the platform assigns them (OpenShift's restricted SCC)."""
+    ids = spec.security_context
+    security: dict[str, Any] = {"runAsNonRoot": True}
+    if not ids.platform_assigned_ids:
+        security |= {
+            "runAsUser": ids.run_as_user if ids.run_as_user is not None else RUN_AS_USER,
+            "runAsGroup": ids.run_as_group if ids.run_as_group is not None else RUN_AS_GROUP,
+            "fsGroup": ids.fs_group if ids.fs_group is not None else RUN_AS_USER,
+        }
+    # Model volumes hold hundreds of GB; never chown them recursively on every start.
+    security["fsGroupChangePolicy"] = "OnRootMismatch"
+    security["seccompProfile"] = {"type": "RuntimeDefault"}
+    return security
+
+
+def placement_and_pulls(spec: Eagle3TargetSpec) -> dict[str, Any]:
+    """What the server pods and the download pod share: the nodes they may run on (on clusters whose every
+    node is tainted for GPUs, the download needs the tolerations too) and the secrets to pull the image."""
+    shared: dict[str, Any] = {}
+    if spec.node_selector:
+        shared["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        shared["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations]
+    if spec.image_pull_secrets:
+        shared["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    return shared
