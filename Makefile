@@ -23,7 +23,7 @@ $(VENV_STAMP): pyproject.toml $(TRAINERS)
 	@rm -f $(VENV)/.installed-* && touch $@
 
 tools:
-	@tests/cluster/build-tools.sh
+	@support/cluster/build-tools.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -40,14 +40,14 @@ demo: setup
 	$(VENV)/bin/python -m examples.demo
 
 cluster-up: setup
-	$(VENV)/bin/python -m tests.cluster up
+	$(VENV)/bin/python -m support.cluster up
 
 cluster-down: venv
-	$(VENV)/bin/python -m tests.cluster down
+	$(VENV)/bin/python -m support.cluster down
 
 bench: venv
 	@for b in bench/*.py; do m=$$(basename $$b .py); echo "==> bench.$$m"; $(VENV)/bin/python -m bench.$$m || exit 1; done
 
 clean:
-	-$(VENV)/bin/python -m tests.cluster down
+	-$(VENV)/bin/python -m support.cluster down
 	rm -rf .cache/cluster .pytest_cache

@@ -21,7 +21,7 @@ from eagle3_target.client import TargetClient
 from eagle3_target.contract import VocabMapping
 from eagle3_target.tiny import write_tiny_model
 
-from tests.eagle3_target.server.server_process import start_server
+from support.server_process import start_server
 
 HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 128, 4096, 1024, 8
 

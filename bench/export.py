@@ -30,7 +30,7 @@ from eagle3_target.integrations.rows import JsonlRows
 from eagle3_target.runners import load_runner
 from eagle3_target.tiny import write_tiny_model
 
-from tests.eagle3_target.server.server_process import start_server
+from support.server_process import start_server
 
 FULL = {"hidden_size": 512, "num_layers": 8, "vocab_size": 32000, "rows": 32, "min_len": 128, "max_len": 384}
 QUICK = {"hidden_size": 256, "num_layers": 8, "vocab_size": 8000, "rows": 48, "min_len": 64, "max_len": 256}

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.operator_scale [--targets 200] [--mode external|pods] [--idle-seconds 60]
     .venv/bin/python -m bench.operator_scale --targets 500 --mode external --hung 50   # the day-2 figure
 
-Runs against $E3T_KUBECONFIG, else the plane `python -m tests.cluster up` left running, else a private one.
+Runs against $E3T_KUBECONFIG, else the plane `python -m support.cluster up` left running, else a private one.
 Mode `pods` (default): every target runs one kwok pod (engine hf, no GPU) and one real server app answers
 at every pod's IP, the whole create → Deployment → pod → probe → Ready loop. Mode `external`: every target
 points at one real target server (spec.endpoint.url), so the figures are the operator's own cost; with
@@ -38,14 +38,14 @@ import kubernetes
 from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
-from tests.cluster import plane
-from tests.cluster.access import Cluster
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm
+from support.cluster import plane
+from support.cluster.access import Cluster
+from support.cluster.waiting import free_port
+from support.crd import install_crd
+from support.operator_process import OperatorProcess
+from support.server_farm import PodServing, ServerFarm
 
 REPO = Path(__file__).resolve().parents[1]
-
-CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 
 
 def manifest(name: str, mode: str, url: str, port: int) -> dict:
@@ -155,8 +155,7 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
     cleanup: list = []
     try:
         cluster = connect(cleanup)
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+        install_crd(cluster)
         core = kubernetes.client.CoreV1Api(cluster.api_client)
         namespace = f"e3bench-{secrets.token_hex(3)}"
         core.create_namespace(kubernetes.client.V1Namespace(metadata={"name": namespace}))

@@ -33,7 +33,7 @@ from eagle3_target.runners import load_runner
 from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import tensors as tensor_wire
 
-from tests.eagle3_target.server.server_process import start_server
+from support.server_process import start_server
 
 FULL = {
     "hidden_size": 1024,

@@ -35,10 +35,10 @@ from eagle3_target.client import TargetClient, resolve
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
-from tests.cluster import plane
-from tests.cluster.access import Cluster
-from tests.cluster.processes import terminate
-from tests.cluster.waiting import direct_opener, eventually, free_port
+from support.cluster import plane
+from support.cluster.access import Cluster
+from support.cluster.processes import terminate
+from support.cluster.waiting import direct_opener, eventually, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

@@ -1,6 +1,6 @@
-"""Session-wide test setup: the local control plane (started once, only if a test asks for it), a fresh
-namespace per test, and a guard that fails any run in which a test was skipped: CI is green only when every
-test ran and passed."""
+"""Session-wide test setup: tiny random-weight models written once (no hub access), the local control plane
+(started once, only if a test asks for it) with the Eagle3Target CRD, a fresh namespace per test, and a
+guard that fails any run in which a test was skipped: CI is green only when every test ran and passed."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import kubernetes
 import pytest
+from eagle3_target.tiny import write_tiny_model
 
-from tests.cluster import plane
-from tests.cluster.access import Cluster
-from tests.cluster.processes import log_tail
+from support.cluster import plane
+from support.cluster.access import Cluster
+from support.cluster.processes import log_tail
+from support.crd import install_crd
 
 NOT_RUN_OUTCOMES = ("skipped", "xfailed", "xpassed")
 LOG_TAIL_LINES = 10
@@ -33,7 +35,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """The control plane: $E3T_KUBECONFIG's cluster if set, else the one `python -m tests.cluster up`
+    """The control plane: $E3T_KUBECONFIG's cluster if set, else the one `python -m support.cluster up`
     left running, else a private one that lives as long as this session."""
     external = os.environ.get("E3T_KUBECONFIG")
     if external:
@@ -51,6 +53,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield own.cluster()
     finally:
         own.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama-style, untied lm_head, 8 layers, hidden 64, vocab 256, fp32, stored in several shards."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", max_shard_size="200KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-style, tied embeddings, 8 layers, hidden 64, vocab 256, fp32, one safetensors file."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> None:
+    """The Eagle3Target CRD of this checkout, installed (or updated) and Established."""
+    install_crd(cluster)
 
 
 @pytest.fixture

@@ -44,4 +44,5 @@ def test_the_layout_table_names_paths_that_exist():
     for path in paths:
         assert (REPO / path).exists(), path
     folders = {path.split("/")[0] for path in paths}
-    assert {"image", "operator", "crds", "charts", "examples", "bench", "scripts", "tests"} <= folders
+    tops = {"image", "operator", "crds", "charts", "examples", "bench", "scripts", "support", "tests"}
+    assert tops <= folders

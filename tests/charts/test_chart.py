@@ -16,8 +16,9 @@ from eagle3_operator import cli
 from eagle3_operator.settings import needs_cluster_scanning
 from eagle3_target.tiny import write_tiny_model
 
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, wait_for
+from support.cluster.waiting import eventually, free_port
+from support.operator_process import OperatorProcess
+from support.server_farm import PodServing, ServerFarm
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "eagle3-operator"
@@ -494,7 +495,7 @@ def test_operator_with_the_charts_account_reconciles_a_target_to_ready(cluster, 
             conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
             return status if conditions.get("Ready") == "True" else None
 
-        status = wait_for(ready, "the target Ready under the chart's ServiceAccount", timeout=120)
+        status = eventually(ready, "the target Ready under the chart's ServiceAccount", timeout=120)
         assert status["endpoints"][0]["ready"] and status["model"]["name"] == "tiny-llama"
         log = operator.log()
         assert "Forbidden" not in log and "403" not in log and "Not enough permissions" not in log
@@ -529,7 +530,7 @@ def test_namespace_users_manage_targets_through_the_default_roles(cluster, names
                 cluster, "vic", "get", targets, namespace
             )
 
-        wait_for(settled, "the built-in roles to aggregate the chart's", timeout=30)
+        eventually(settled, "the built-in roles to aggregate the chart's", timeout=30)
         for verb in ("create", "patch", "delete", "list", "watch"):
             assert can_i(cluster, "ada", verb, targets, namespace), verb
         assert can_i(cluster, "ada", "update", targets, namespace, "--subresource=scale")

@@ -16,19 +16,14 @@ import kubernetes
 import pytest
 from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
-from tests.cluster.access import Cluster
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import OperatorProcess, PodServing, ServerFarm, Targets, wait_for
+from support.cluster.access import Cluster
+from support.cluster.waiting import eventually, free_port
+from support.operator_process import OperatorProcess
+from support.server_farm import PodServing, ServerFarm
+from support.server_process import AUTH_TOKEN
+from support.targets import Targets
 
-REPO = Path(__file__).resolve().parents[2]
-CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 NAMESPACE_PREFIX = "e3op-"
-
-
-@pytest.fixture(scope="module")
-def crd(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +65,7 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
             read = functools.partial(
                 custom.get_namespaced_custom_object, GROUP, VERSION, name, PLURAL, "warmup"
             )
-            wait_for(lambda read=read: read().get("status"), "the warm-up target's status", timeout=15)
+            eventually(lambda read=read: read().get("status"), "the warm-up target's status", timeout=15)
             return
         except TimeoutError:
             continue  # created in the window: try a new namespace
@@ -86,30 +81,20 @@ def op_namespace(make_namespace: Callable[[str], str]) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from eagle3_target.tiny import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama")
-
-
-@pytest.fixture(scope="session")
-def servers(tiny_model_dir: Path) -> Iterator[ServerFarm]:
-    farm = ServerFarm(tiny_model_dir)
+def servers(tiny_llama_dir: Path) -> Iterator[ServerFarm]:
+    farm = ServerFarm(tiny_llama_dir)
     try:
         yield farm
     finally:
         farm.close()
 
 
-AUTH_TOKEN = "operator-test-token"
-
-
 @pytest.fixture(scope="session")
-def auth_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFarm]:
+def auth_servers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFarm]:
     """A target server that wants a bearer token (spec.auth) on everything but the health routes."""
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(f"{AUTH_TOKEN}\n")
-    farm = ServerFarm(tiny_model_dir, auth_token_file=token_file)
+    farm = ServerFarm(tiny_llama_dir, auth_token_file=token_file)
     try:
         yield farm
     finally:

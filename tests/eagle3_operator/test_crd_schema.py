@@ -15,7 +15,6 @@ from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_target.protocol import API_VERSION, KIND, PLURAL
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_PATH = ROOT / "crds" / "eagle3targets.eagle3.dev.yaml"
 EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
 
 PVC = {"pvc": {"claimName": "models"}}
@@ -34,12 +33,8 @@ def with_model(source: dict[str, Any] | None = None, **fields: Any) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def targets(cluster) -> kubernetes.dynamic.Resource:
-    """The CRD applied the way the chart and the demo apply it, once it is Established."""
-    cluster.kubectl(
-        "apply", "--server-side", "--force-conflicts", "--field-manager=eagle3-tests", "-f", str(CRD_PATH)
-    )
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/eagle3targets.eagle3.dev")
+def targets(cluster, crd) -> kubernetes.dynamic.Resource:
+    """Eagle3Targets through the dynamic client, once the CRD is Established."""
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
     return client.resources.get(api_version=API_VERSION, kind=KIND)
 

@@ -13,8 +13,9 @@ import kubernetes
 import pytest
 from eagle3_target.client import ResolveTimeout, resolve
 
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import PodServing, Targets, condition, target_manifest, wait_for
+from support.cluster.waiting import eventually, free_port
+from support.server_farm import PodServing
+from support.targets import Targets, condition, target_manifest
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -43,7 +44,7 @@ def test_removed_spec_fields_are_removed_from_the_deployment(targets: Targets, c
             d = targets.deployment("trim")
             return d if d is not None and d.spec.template.spec.priority_class_name == "day2-high" else None
 
-        pod = wait_for(deployed, "the Deployment with every field").spec.template.spec
+        pod = eventually(deployed, "the Deployment with every field").spec.template.spec
         assert pod.node_selector == {"type": "kwok"} and pod.tolerations and pod.affinity
         assert pod.image_pull_secrets and pod.containers[0].resources.limits["nvidia.com/gpu"] == "1"
 
@@ -59,10 +60,10 @@ def test_removed_spec_fields_are_removed_from_the_deployment(targets: Targets, c
             gone = (spec.node_selector, spec.tolerations, spec.affinity, spec.priority_class_name)
             return d if not any(gone) and not spec.image_pull_secrets else None
 
-        pod = wait_for(trimmed, "the removed fields pruned from the Deployment").spec.template.spec
+        pod = eventually(trimmed, "the removed fields pruned from the Deployment").spec.template.spec
         resources = pod.containers[0].resources
         assert resources.requests == {"memory": "1Gi"} and not resources.limits  # no GPU, no memory limit
-        status = wait_for(
+        status = eventually(
             lambda: (s := targets.get("trim")["status"]).get("observedGeneration") == generation and s,
             "the change observed",
         )
@@ -77,18 +78,18 @@ def test_rollout_restart_survives_the_operator_and_drift_is_still_repaired(
     port = free_port()
     pod_serving.ports.add(port)
     targets.create(target_manifest("kept", port))
-    wait_for(lambda: targets.ready_status("kept", replicas=1), "Ready")
+    eventually(lambda: targets.ready_status("kept", replicas=1), "Ready")
     first_pod = targets.pods("kept")[0].metadata.name
 
     cluster.kubectl("rollout", "restart", "-n", targets.namespace, "deployment/kept")
-    restarted = wait_for(
+    restarted = eventually(
         lambda: first_pod not in {p.metadata.name for p in targets.pods("kept")}, "the restart's new pod"
     )
     assert restarted
     # A spec change makes the operator apply the Deployment again: the restart annotation (owned by
     # kubectl) stays, so the change does not undo the restart.
     generation = targets.patch_spec("kept", {"startupTimeoutSeconds": 700})
-    wait_for(lambda: targets.ready_status("kept", generation, replicas=1), "Ready after the change")
+    eventually(lambda: targets.ready_status("kept", generation, replicas=1), "Ready after the change")
     template = targets.deployment("kept").spec.template.metadata.annotations
     assert "kubectl.kubernetes.io/restartedAt" in template
 
@@ -96,7 +97,7 @@ def test_rollout_restart_survives_the_operator_and_drift_is_still_repaired(
     targets.apps.patch_namespaced_deployment(
         "kept", targets.namespace, {"spec": {"progressDeadlineSeconds": 42}}
     )
-    wait_for(lambda: targets.deployment("kept").spec.progress_deadline_seconds == 1000, "drift repaired")
+    eventually(lambda: targets.deployment("kept").spec.progress_deadline_seconds == 1000, "drift repaired")
 
 
 def test_finished_pods_are_neither_endpoints_nor_held_against_ready(
@@ -106,7 +107,7 @@ def test_finished_pods_are_neither_endpoints_nor_held_against_ready(
     port = free_port()
     pod_serving.ports.add(port)
     targets.create(target_manifest("evicted", port))
-    wait_for(lambda: targets.ready_status("evicted", replicas=1), "Ready")
+    eventually(lambda: targets.ready_status("evicted", replicas=1), "Ready")
     (pod,) = targets.pods("evicted")
     eviction = {
         "status": {
@@ -124,7 +125,7 @@ def test_finished_pods_are_neither_endpoints_nor_held_against_ready(
             return None
         return status
 
-    status = wait_for(served_by_replacement, "Ready on the replacement pod")
+    status = eventually(served_by_replacement, "Ready on the replacement pod")
     assert pod.metadata.name not in {e["pod"] for e in status["endpoints"]}
     assert status["phase"] == "Ready" and condition(status, "Degraded")["status"] == "False"
     left = targets.core.read_namespaced_pod(pod.metadata.name, targets.namespace)
@@ -141,12 +142,12 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(targets: 
         "spec": {"hard": {"count/deployments.apps": "0"}},
     }
     targets.core.create_namespaced_resource_quota(targets.namespace, quota)
-    wait_for(
+    eventually(
         lambda: targets.core.read_namespaced_resource_quota("no-deployments", targets.namespace).status.hard,
         "the quota's status",
     )
     targets.create(target_manifest("quota", free_port()))
-    status = wait_for(lambda: reason(targets, "quota", "QuotaExceeded"), "QuotaExceeded in status")
+    status = eventually(lambda: reason(targets, "quota", "QuotaExceeded"), "QuotaExceeded in status")
     assert "exceeded quota" in condition(status, "Ready")["message"]
     assert (condition(status, "Degraded")["status"], status["phase"]) == ("True", "Failed")
     assert status["lastFailure"]["reason"] == "QuotaExceeded"
@@ -154,7 +155,7 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(targets: 
     events = [e for e in targets.events("quota") if e.reason == "QuotaExceeded"]
     assert len(events) == 1 and events[0].type == "Warning" and events[0].count == 1
     targets.core.delete_namespaced_resource_quota("no-deployments", targets.namespace)
-    wait_for(lambda: targets.deployment("quota"), "the Deployment once the quota is gone", timeout=120)
+    eventually(lambda: targets.deployment("quota"), "the Deployment once the quota is gone", timeout=120)
 
     admission = kubernetes.client.AdmissionregistrationV1Api(cluster.api_client)
     policy_name = f"no-services-{targets.namespace}"
@@ -192,14 +193,16 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(targets: 
                 },
             }
         )
-        wait_for(lambda: service_refused(targets), "the admission policy in force")
+        eventually(lambda: service_refused(targets), "the admission policy in force")
         targets.create(target_manifest("policed", free_port()))
-        status = wait_for(lambda: reason(targets, "policed", "AdmissionDenied"), "AdmissionDenied in status")
+        status = eventually(
+            lambda: reason(targets, "policed", "AdmissionDenied"), "AdmissionDenied in status"
+        )
         assert "services need a ticket here" in condition(status, "Ready")["message"]
     finally:
         admission.delete_validating_admission_policy_binding(policy_name)
         admission.delete_validating_admission_policy(policy_name)
-    wait_for(lambda: targets.service("policed"), "the Service once the policy is gone", timeout=120)
+    eventually(lambda: targets.service("policed"), "the Service once the policy is gone", timeout=120)
 
 
 def service_refused(targets: Targets) -> bool:
@@ -218,7 +221,7 @@ def test_a_name_taken_by_someone_else_is_never_taken_over(targets: Targets):
     }
     targets.core.create_namespaced_service(targets.namespace, foreign)
     targets.create(target_manifest("taken", free_port()))
-    status = wait_for(lambda: reason(targets, "taken", "NameConflict"), "NameConflict in status")
+    status = eventually(lambda: reason(targets, "taken", "NameConflict"), "NameConflict in status")
     message = condition(status, "Ready")["message"]
     assert f"Service {targets.namespace}/taken" in message and "not owned" in message
     service = targets.service("taken")
@@ -226,7 +229,7 @@ def test_a_name_taken_by_someone_else_is_never_taken_over(targets: Targets):
     assert any(e.reason == "NameConflict" and e.type == "Warning" for e in targets.events("taken"))
 
     targets.core.delete_namespaced_service("taken", targets.namespace)
-    owned = wait_for(
+    owned = eventually(
         lambda: (s := targets.service("taken")) is not None and s.metadata.owner_references and s,
         "the target's own Service once the name is free",
         timeout=120,
@@ -241,7 +244,7 @@ def test_scale_up_keeps_the_target_available_and_restarts_no_pod(targets: Target
     port = free_port()
     pod_serving.ports.add(port)
     targets.create(target_manifest("wide", port, tensorParallelSize=8))
-    wait_for(lambda: targets.ready_status("wide", replicas=1), "Ready with one replica")
+    eventually(lambda: targets.ready_status("wide", replicas=1), "Ready with one replica")
     (first,) = targets.pods("wide")
 
     generation = targets.patch_spec("wide", {"replicas": 3})
@@ -251,7 +254,7 @@ def test_scale_up_keeps_the_target_available_and_restarts_no_pod(targets: Target
         fresh = condition(status, "Available").get("observedGeneration") == generation
         return status if fresh and status.get("readyReplicas") == 2 else None
 
-    status = wait_for(two_serving, "two replicas serving, the third unschedulable")
+    status = eventually(two_serving, "two replicas serving, the third unschedulable")
     assert condition(status, "Ready")["status"] == "False"
     assert condition(status, "Ready")["reason"] == "Unschedulable"
     assert (condition(status, "Available")["status"], condition(status, "Available")["reason"]) == (

@@ -17,19 +17,12 @@ import kubernetes
 import pytest
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
-from tests.cluster import nodes
-from tests.cluster.access import Cluster
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import (
-    POD_SETTINGS,
-    OperatorProcess,
-    PodServing,
-    ServerFarm,
-    Targets,
-    condition,
-    target_manifest,
-    wait_for,
-)
+from support.cluster import nodes
+from support.cluster.access import Cluster
+from support.cluster.waiting import eventually, free_port
+from support.operator_process import OperatorProcess
+from support.server_farm import PodServing, ServerFarm
+from support.targets import POD_SETTINGS, Targets, condition, target_manifest
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -50,8 +43,8 @@ def test_lifecycle_ready_scale_rollout_suspend(
     uid = created["metadata"]["uid"]
 
     # Children appear, owned by the target.
-    deployment = wait_for(lambda: targets.deployment("llama"), "the Deployment")
-    service = wait_for(lambda: targets.service("llama"), "the Service")
+    deployment = eventually(lambda: targets.deployment("llama"), "the Deployment")
+    service = eventually(lambda: targets.service("llama"), "the Service")
     for child in (deployment, service):
         owner = child.metadata.owner_references[0]
         assert (owner.kind, owner.uid, owner.controller) == ("Eagle3Target", uid, True)
@@ -63,13 +56,13 @@ def test_lifecycle_ready_scale_rollout_suspend(
         endpoints = status.get("endpoints") or []
         return status if endpoints and not endpoints[0]["ready"] else None
 
-    status = wait_for(unserved_endpoint, "an endpoint published as not ready")
+    status = eventually(unserved_endpoint, "an endpoint published as not ready")
     assert condition(status, "Ready")["status"] == "False"
     assert status["endpoints"][0]["address"].startswith(f"http://127.{nodes.POD_NET}.")
 
     # A real server answers at the pod's IP:port → Ready, with endpoint, model and fingerprint.
     pod_serving.ports.add(port)
-    status = wait_for(lambda: targets.ready_status("llama", replicas=1), "Ready with one endpoint")
+    status = eventually(lambda: targets.ready_status("llama", replicas=1), "Ready with one endpoint")
     info = server_info(servers)
     pod = targets.pods("llama")[0]
     assert status["endpoints"] == [
@@ -105,21 +98,21 @@ def test_lifecycle_ready_scale_rollout_suspend(
 
     # Scale through the scale subresource (what HPA and `kubectl scale` use).
     cluster.kubectl("scale", "-n", targets.namespace, "e3t/llama", "--replicas=2")
-    status = wait_for(lambda: targets.ready_status("llama", replicas=2), "Ready with two endpoints")
+    status = eventually(lambda: targets.ready_status("llama", replicas=2), "Ready with two endpoints")
     assert status["replicas"] == 2 and len(status["endpoints"]) == 2
     scale = targets.custom.get_namespaced_custom_object_scale(
         GROUP, VERSION, targets.namespace, PLURAL, "llama"
     )
     assert (scale["status"]["replicas"], scale["status"]["selector"]) == (2, status["selector"])
     assert (
-        wait_for(lambda: targets.pdb("llama"), "a PodDisruptionBudget at two replicas").spec.max_unavailable
+        eventually(lambda: targets.pdb("llama"), "a PodDisruptionBudget at two replicas").spec.max_unavailable
         == 1
     )
 
     # A spec change rolls the pods; Ready again only for the new generation, on new pods.
     old_pods = {p.metadata.name for p in targets.pods("llama")}
     generation = targets.patch_spec("llama", {"startupTimeoutSeconds": 900})
-    status = wait_for(
+    status = eventually(
         lambda: targets.ready_status("llama", generation, replicas=2), "Ready after the rollout"
     )
     assert {e["pod"] for e in status["endpoints"]}.isdisjoint(old_pods)
@@ -134,12 +127,12 @@ def test_lifecycle_ready_scale_rollout_suspend(
         done = status.get("phase") == "Suspended" and progressing.get("reason") == "Suspended"
         return status if done and status.get("observedGeneration") == generation else None
 
-    status = wait_for(suspended, "Suspended with no pods")
+    status = eventually(suspended, "Suspended with no pods")
     assert targets.deployment("llama").spec.replicas == 0
-    wait_for(lambda: targets.pdb("llama") is None, "the PodDisruptionBudget removed while suspended")
+    eventually(lambda: targets.pdb("llama") is None, "the PodDisruptionBudget removed while suspended")
     assert status["endpoints"] == [] and condition(status, "Ready")["reason"] == "Suspended"
     generation = targets.patch_spec("llama", {"suspend": False})
-    wait_for(lambda: targets.ready_status("llama", generation, replicas=2), "Ready after resuming")
+    eventually(lambda: targets.ready_status("llama", generation, replicas=2), "Ready after resuming")
 
 
 def _written_by_operator(targets: Targets, name: str) -> tuple:
@@ -170,11 +163,11 @@ def _applies(operator: OperatorProcess) -> float:
 
 def test_drift_is_repaired(targets: Targets):
     targets.create(target_manifest("drift", free_port()))
-    deployment = wait_for(lambda: targets.deployment("drift"), "the Deployment")
-    service = wait_for(lambda: targets.service("drift"), "the Service")
+    deployment = eventually(lambda: targets.deployment("drift"), "the Deployment")
+    service = eventually(lambda: targets.service("drift"), "the Service")
 
     targets.core.delete_namespaced_service("drift", targets.namespace)
-    recreated = wait_for(
+    recreated = eventually(
         lambda: (s := targets.service("drift")) is not None and s.metadata.uid != service.metadata.uid and s,
         "the deleted Service to come back",
     )
@@ -190,7 +183,7 @@ def test_drift_is_repaired(targets: Targets):
             }
         },
     )
-    repaired = wait_for(
+    repaired = eventually(
         lambda: (
             (d := targets.deployment("drift")).spec.replicas == 1
             and d.spec.template.spec.containers[0].image != "evil:1"
@@ -209,11 +202,11 @@ def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: T
         status = (targets.get("told") or {}).get("status") or {}
         return status if condition(status, "Ready").get("reason") == "EndpointUnreachable" else None
 
-    honest = wait_for(settled, "the unserved target reported EndpointUnreachable")
+    honest = eventually(settled, "the unserved target reported EndpointUnreachable")
     targets.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, targets.namespace, PLURAL, "told", {"status": {"phase": "Ready", "url": "http://x"}}
     )
-    restored = wait_for(
+    restored = eventually(
         lambda: (s := settled()) is not None and s.get("url") == honest["url"] and s,
         "the foreign status write undone",
     )
@@ -263,17 +256,17 @@ def test_pod_monitor_follows_the_spec_where_its_crd_exists(targets: Targets, ope
 
         monitoring = {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}}
         targets.create(target_manifest("watched", free_port(), monitoring=monitoring))
-        monitor = wait_for(pod_monitor, "the PodMonitor")
+        monitor = eventually(pod_monitor, "the PodMonitor")
         assert monitor["metadata"]["labels"]["release"] == "prom"
         assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
         # A label removed from the spec is removed from the PodMonitor (server-side apply prunes it).
         targets.patch_spec("watched", {"monitoring": {"podMonitor": {"labels": None}}})
-        wait_for(lambda: "release" not in pod_monitor()["metadata"]["labels"], "the label pruned")
+        eventually(lambda: "release" not in pod_monitor()["metadata"]["labels"], "the label pruned")
         # A restarted operator has no memory of the PodMonitor it made, and still deletes it when disabled.
         operator.stop()
         operator.start()
         targets.patch_spec("watched", {"monitoring": {"podMonitor": {"enabled": False}}})
-        wait_for(lambda: pod_monitor() is None, "the PodMonitor deleted once disabled")
+        eventually(lambda: pod_monitor() is None, "the PodMonitor deleted once disabled")
     finally:
         extensions.delete_custom_resource_definition(POD_MONITOR_CRD["metadata"]["name"])
 
@@ -285,12 +278,14 @@ def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
         status = (targets.get("huge") or {}).get("status") or {}
         return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
-    status = wait_for(unschedulable, "Unschedulable in the Ready condition")
+    status = eventually(unschedulable, "Unschedulable in the Ready condition")
     assert condition(status, "Degraded")["status"] == "True"
     assert status["lastFailure"]["reason"] == "Unschedulable"
     assert "nvidia.com/gpu" in status["lastFailure"]["message"]
     assert status["phase"] == "Failed"
-    warnings = wait_for(lambda: [e for e in targets.events("huge") if e.type == "Warning"], "a Warning event")
+    warnings = eventually(
+        lambda: [e for e in targets.events("huge") if e.type == "Warning"], "a Warning event"
+    )
     assert any(e.reason == "Unschedulable" for e in warnings)
 
 
@@ -300,7 +295,7 @@ def test_external_endpoint_is_probed_and_published(targets: Targets, servers: Se
     manifest["spec"] = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
     targets.create(manifest)
 
-    status = wait_for(lambda: targets.ready_status("remote"), "the external target Ready")
+    status = eventually(lambda: targets.ready_status("remote"), "the external target Ready")
     assert status["url"] == url
     assert status["endpoints"] == [{"address": url, "ready": True}]
     assert status["model"]["fingerprint"] == server_info(servers)["fingerprint"]
@@ -316,7 +311,7 @@ def test_external_endpoint_is_probed_and_published(targets: Targets, servers: Se
         fresh = status.get("observedGeneration") == generation
         return status if fresh and degraded.get("reason") == "EndpointUnreachable" else None
 
-    status = wait_for(unreachable, "the dead endpoint reported unreachable")
+    status = eventually(unreachable, "the dead endpoint reported unreachable")
     assert condition(status, "Ready")["status"] == "False"
     assert status["endpoints"] == [{"address": dead, "ready": False}]
     assert "model" not in status
@@ -329,8 +324,8 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
     pod_serving.ports.add(port)
     targets.create(target_manifest("phoenix", port, replicas=2))
     targets.create(target_manifest("doomed", free_port()))
-    wait_for(lambda: targets.ready_status("phoenix", replicas=2), "Ready before the restart")
-    wait_for(
+    eventually(lambda: targets.ready_status("phoenix", replicas=2), "Ready before the restart")
+    eventually(
         lambda: ((targets.get("doomed") or {}).get("status") or {}).get("phase"), "the other target handled"
     )
     metadata = targets.get("phoenix")["metadata"]
@@ -339,7 +334,7 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
 
     # Mid-rollout: the operator has applied the new template, the pods are being replaced, and it dies.
     generation = targets.patch_spec("phoenix", {"startupTimeoutSeconds": 1200})
-    wait_for(
+    eventually(
         lambda: targets.deployment("phoenix").spec.progress_deadline_seconds == 1500, "the rollout started"
     )
     operator.kill()
@@ -352,7 +347,7 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
     finally:
         operator.start()
 
-    status = wait_for(
+    status = eventually(
         lambda: targets.ready_status("phoenix", generation, replicas=2), "convergence after restart"
     )
     assert targets.deployment("phoenix").spec.progress_deadline_seconds == 1600
@@ -360,7 +355,7 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
 
     # Deleting the target lets the garbage collector take the children.
     targets.delete("phoenix")
-    wait_for(
+    eventually(
         lambda: targets.deployment("phoenix") is None and targets.service("phoenix") is None,
         "the children garbage-collected",
         timeout=120,
@@ -375,7 +370,7 @@ def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: T
         status = (targets.get("odd") or {}).get("status") or {}
         return status if condition(status, "Ready").get("reason") == "InvalidSpec" else None
 
-    status = wait_for(rejected, "the rejection reported in status")
+    status = eventually(rejected, "the rejection reported in status")
     assert "rejected" in status["lastFailure"]["message"] and status["phase"] == "Failed"
     assert targets.deployment("odd") is None
 
@@ -427,7 +422,7 @@ def test_no_secret_leaves_through_a_spec(targets: Targets, servers: ServerFarm):
             "auth": {"tokenSecretRef": {"name": "victim"}},
         }
         targets.create(manifest)
-        status = wait_for(lambda: targets.ready_status("deputy"), "the external target Ready")
+        status = eventually(lambda: targets.ready_status("deputy"), "the external target Ready")
         assert status["model"]["name"] == "tiny-llama"
         paths = {path for path, _ in recorder.requests}
         assert {"/readyz", "/v1/info"} <= paths
@@ -450,7 +445,7 @@ def test_token_protected_pods_are_probed_without_their_token(
         token = {"metadata": {"name": "target-token"}, "stringData": {"token": "not-for-the-operator"}}
         targets.core.create_namespaced_secret(targets.namespace, token)
         targets.create(target_manifest("guarded", port, auth={"tokenSecretRef": {"name": "target-token"}}))
-        status = wait_for(lambda: targets.ready_status("guarded", replicas=1), "Ready without the Secret")
+        status = eventually(lambda: targets.ready_status("guarded", replicas=1), "Ready without the Secret")
         address = status["endpoints"][0]["address"]
         assert httpx.get(f"{address}/v1/weights/lm_head", timeout=5).status_code == 401
     finally:
@@ -490,7 +485,7 @@ def _shape_and_unshape(targets: Targets) -> None:
     targets.core.create_namespaced_service_account(targets.namespace, {"metadata": {"name": "bucket-reader"}})
     targets.create(target_manifest("shaped", free_port(), **POD_SETTINGS))
 
-    deployment = wait_for(lambda: targets.deployment("shaped"), "the Deployment")
+    deployment = eventually(lambda: targets.deployment("shaped"), "the Deployment")
     shaped = _shaped(deployment.spec.template)
     assert shaped["env"] == ["HF_HUB_OFFLINE", "NCCL_DEBUG", "POD"]
     assert shaped["volumes"] == ["model", "dshm", "compile-cache"]
@@ -512,7 +507,7 @@ def _shape_and_unshape(targets: Targets) -> None:
         template = targets.deployment("shaped").spec.template
         return _shaped(template) if "kueue.x-k8s.io/queue-name" not in template.metadata.labels else None
 
-    shaped = wait_for(plain, "the pod settings gone from the template")
+    shaped = eventually(plain, "the pod settings gone from the template")
     assert shaped["env"] == ["HF_HUB_OFFLINE"]
     assert shaped["volumes"] == ["model", "dshm"]
     assert "/cache" not in shaped["mounts"]
@@ -536,10 +531,10 @@ def test_network_policy_is_accepted_selects_the_targets_pods_and_goes_when_disab
     isolation = {"enabled": True, "allowedNamespaces": ["trainers"]}
     targets.create(target_manifest("fenced", free_port(), replicas=2, networkPolicy=isolation))
     targets.create(target_manifest("neighbour", free_port()))
-    created = wait_for(policy, "the NetworkPolicy")
+    created = eventually(policy, "the NetworkPolicy")
     assert created.metadata.name == "fenced"
     assert created.metadata.owner_references[0].name == "fenced"
-    wait_for(lambda: len(targets.pods("fenced")) == 2 and targets.pods("neighbour"), "both targets' pods")
+    eventually(lambda: len(targets.pods("fenced")) == 2 and targets.pods("neighbour"), "both targets' pods")
     selector = ",".join(f"{k}={v}" for k, v in created.spec.pod_selector.match_labels.items())
     selected = targets.core.list_namespaced_pod(targets.namespace, label_selector=selector).items
     assert sorted(p.metadata.name for p in selected) == sorted(
@@ -553,7 +548,7 @@ def test_network_policy_is_accepted_selects_the_targets_pods_and_goes_when_disab
     assert peer.namespace_selector.match_expressions[0].values == ["trainers"]
 
     targets.patch_spec("fenced", {"networkPolicy": {"enabled": False}})
-    wait_for(lambda: policy() is None, "the NetworkPolicy deleted once disabled")
+    eventually(lambda: policy() is None, "the NetworkPolicy deleted once disabled")
 
 
 def hub_target(name: str, claim: str, **spec: Any) -> dict[str, Any]:
@@ -606,7 +601,7 @@ def bind_claim(targets: Targets, claim: str) -> str:
 
 def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targets):
     targets.create(hub_target("hydrated", "hf-cache", replicas=3))
-    (job,) = wait_for(lambda: hydration_jobs(targets), "the hydration Job")
+    (job,) = eventually(lambda: hydration_jobs(targets), "the hydration Job")
     assert job.metadata.owner_references[0].name == "hydrated"
 
     # The claim does not exist yet, so the download cannot start: no server pod is asked for meanwhile,
@@ -615,14 +610,16 @@ def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targ
         status = (targets.get("hydrated") or {}).get("status") or {}
         return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
-    status = wait_for(stuck, "the unschedulable download reported")
+    status = eventually(stuck, "the unschedulable download reported")
     assert "hydration pod" in condition(status, "Ready")["message"]
     assert "hf-cache" in condition(status, "Ready")["message"]
     assert targets.deployment("hydrated").spec.replicas == 0 and targets.pods("hydrated") == []
 
     volume = bind_claim(targets, "hf-cache")  # kwok runs the download pod, which then completes
     try:
-        wait_for(lambda: len(targets.pods("hydrated")) == 3, "three server pods once the download completed")
+        eventually(
+            lambda: len(targets.pods("hydrated")) == 3, "three server pods once the download completed"
+        )
     finally:
         targets.core.delete_persistent_volume(volume)
     (job,) = hydration_jobs(targets)
@@ -638,7 +635,7 @@ def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets
     """The download pod stays unscheduled (no claim), so the test plays its kubelet: it ends the pod the way
     `eagle3-target hydrate` ends on a gated repository (exit 2, the reason as termination message)."""
     targets.create(hub_target("gated", "missing-cache", replicas=2))
-    (pod,) = wait_for(lambda: hydration_pods(targets), "the download pod")
+    (pod,) = eventually(lambda: hydration_pods(targets), "the download pod")
     reason = "org/tiny-llama@main: gated repository; the token may not read it: 401 Client Error"
     terminated = {"exitCode": 2, "reason": "Error", "message": reason, "startedAt": None, "finishedAt": None}
     status = {
@@ -662,7 +659,7 @@ def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets
         status = (targets.get("gated") or {}).get("status") or {}
         return status if condition(status, "Ready").get("reason") == "ModelDownloadFailed" else None
 
-    status = wait_for(failed, "the failed download reported")
+    status = eventually(failed, "the failed download reported")
     assert reason in condition(status, "Degraded")["message"]
     assert status["lastFailure"]["reason"] == "ModelDownloadFailed" and status["phase"] == "Failed"
     (job,) = hydration_jobs(targets)
@@ -677,7 +674,7 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
     volumes = [bind_claim(targets, "cache-a")]
     try:
         targets.create(hub_target("moving", "cache-a", replicas=2))
-        serving = wait_for(lambda: len(pods := targets.pods("moving")) == 2 and pods, "two pods on cache-a")
+        serving = eventually(lambda: len(pods := targets.pods("moving")) == 2 and pods, "two pods on cache-a")
 
         def claim() -> str:
             template = targets.deployment("moving").spec.template.spec
@@ -686,7 +683,7 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
         (first_job,) = hydration_jobs(targets)
         source = {"huggingFace": {"repo": "org/tiny-llama", "cacheClaimName": "cache-b"}}
         targets.patch_spec("moving", {"model": {"source": source}})
-        wait_for(
+        eventually(
             lambda: [j.metadata.name for j in hydration_jobs(targets)] not in ([], [first_job.metadata.name]),
             "the new download's Job",
         )
@@ -695,14 +692,16 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
             status = (targets.get("moving") or {}).get("status") or {}
             return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
-        wait_for(held, "the new download reported stuck")
+        eventually(held, "the new download reported stuck")
         assert claim() == "cache-a" and targets.deployment("moving").spec.replicas == 2
         assert sorted(p.metadata.name for p in targets.pods("moving")) == sorted(
             p.metadata.name for p in serving
         )
 
         volumes.append(bind_claim(targets, "cache-b"))
-        wait_for(lambda: claim() == "cache-b", "the Deployment moved to cache-b once its download completed")
+        eventually(
+            lambda: claim() == "cache-b", "the Deployment moved to cache-b once its download completed"
+        )
     finally:
         for volume in volumes:
             targets.core.delete_persistent_volume(volume)

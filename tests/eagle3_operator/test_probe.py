@@ -23,10 +23,9 @@ from eagle3_target.protocol import HydrationProgress
 from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.conftest import AUTH_TOKEN
-from tests.eagle3_operator.harness import LOOPBACK, ServerFarm, wait_for
-from tests.eagle3_target.server.server_process import serve_in_thread
+from support.cluster.waiting import LOOPBACK, eventually, free_port
+from support.server_farm import ServerFarm
+from support.server_process import AUTH_TOKEN, serve_in_thread
 
 FAST = httpx.Timeout(0.5, connect=0.5)
 
@@ -94,16 +93,16 @@ def test_token_protected_server_is_probed_without_any_token(auth_servers: Server
     assert allowed.status_code == 200
 
 
-def test_a_loading_server_says_how_far_it_has_come(tiny_model_dir: Path, tmp_path: Path):
+def test_a_loading_server_says_how_far_it_has_come(tiny_llama_dir: Path, tmp_path: Path):
     """A model directory whose weights have not arrived yet: the server waits and its 503 says so."""
-    shutil.copy(tiny_model_dir / "config.json", tmp_path)
+    shutil.copy(tiny_llama_dir / "config.json", tmp_path)
     with serve_in_thread(create_app(ServerSettings(model=str(tmp_path), engine="hf"))) as url:
 
         def progress():
             result = asyncio.run(check(url))
             return result if result.progress and "waiting" in result.progress else None
 
-        result = wait_for(progress, "the server's load progress", timeout=60)
+        result = eventually(progress, "the server's load progress", timeout=60)
     assert (result.ready, result.reachable) == (False, True)
     assert result.progress.startswith("waiting for weights: no weights yet (no model.safetensors")
     assert result.error == f"/readyz answered 503: {result.progress}"

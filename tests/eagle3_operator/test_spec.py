@@ -17,13 +17,14 @@ from eagle3_operator.constants import (
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from pydantic import BaseModel
 
+from support.crd import crd_manifest
+
 ROOT = Path(__file__).resolve().parents[2]
-CRD_PATH = ROOT / "crds" / "eagle3targets.eagle3.dev.yaml"
 EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
 
 
 def crd_spec_schema() -> dict[str, Any]:
-    crd = yaml.safe_load(CRD_PATH.read_text())
+    crd = crd_manifest()
     (version,) = crd["spec"]["versions"]
     return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
 

@@ -18,9 +18,10 @@ import pytest
 from eagle3_target.protocol import API_VERSION, EXIT_LOAD_FAILED, GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
-from tests.cluster import nodes
-from tests.cluster.access import Cluster
-from tests.eagle3_operator.harness import Kubelet, wait_for
+from support.cluster import nodes
+from support.cluster.access import Cluster
+from support.cluster.waiting import eventually
+from support.kubelet import Kubelet
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -35,7 +36,7 @@ def kubelet_node(cluster: Cluster) -> str:
     except kubernetes.client.ApiException as error:
         if error.status != 409:  # already registered by an earlier module of this session
             raise
-    wait_for(lambda: nodes.all_schedulable(cluster.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
+    eventually(lambda: nodes.all_schedulable(cluster.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
     return nodes.KUBELET_NODE
 
 
@@ -100,7 +101,7 @@ def assert_load_failure_reported(
         body = target(cluster, namespace, name)
         return body if condition(body, "Ready").get("reason") == "ModelLoadFailed" else None
 
-    body = wait_for(failed, f"{name} to report ModelLoadFailed", timeout=REPORT_SECONDS)
+    body = eventually(failed, f"{name} to report ModelLoadFailed", timeout=REPORT_SECONDS)
     assert time.monotonic() - created < REPORT_SECONDS
     ready = condition(body, "Ready")
     assert ready["status"] == "False" and line in ready["message"], ready
@@ -108,7 +109,7 @@ def assert_load_failure_reported(
     assert body["status"]["lastFailure"]["reason"] == "ModelLoadFailed"
     assert line in body["status"]["lastFailure"]["message"]
     assert body["status"]["phase"] == "Failed"
-    events = wait_for(lambda: warnings(cluster, namespace, name), "the ModelLoadFailed event")
+    events = eventually(lambda: warnings(cluster, namespace, name), "the ModelLoadFailed event")
     assert [(e.reason, e.count or 1) for e in events] == [("ModelLoadFailed", 1)]
     assert line in events[0].message
     row = cluster.kubectl("get", "e3t", name, "-n", namespace).stdout.splitlines()
@@ -123,9 +124,9 @@ def assert_load_failure_reported(
 
 
 def test_a_wrong_engine_argument_reaches_the_targets_status(
-    cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_model_dir: Path
+    cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_llama_dir: Path
 ):
-    manifest = on_kubelet("bad-arg", tiny_model_dir, engine="vllm", engineArgs={"no_such_arg": "2"})
+    manifest = on_kubelet("bad-arg", tiny_llama_dir, engine="vllm", engineArgs={"no_such_arg": "2"})
     create(cluster, op_namespace, manifest)
     line = "unknown engine argument no_such_arg; supported: "
     assert_load_failure_reported(cluster, kubelet, op_namespace, "bad-arg", line)
@@ -142,9 +143,9 @@ def test_an_empty_model_directory_reaches_the_targets_status(
     assert_load_failure_reported(cluster, kubelet, op_namespace, "no-model", line)
     # The kubelet restarts it with back-off; the status keeps the server's reason, and its restart count.
     [container] = kubelet.containers.values()
-    wait_for(lambda: container.restarts >= 1 and container.process.poll() is not None, "a failed restart")
+    eventually(lambda: container.restarts >= 1 and container.process.poll() is not None, "a failed restart")
     message = f"container server exited with code {EXIT_LOAD_FAILED}, 1 restarts"
-    wait_for(
+    eventually(
         lambda: message in condition(target(cluster, op_namespace, "no-model"), "Ready")["message"],
         "the restart in the status",
     )
@@ -168,7 +169,7 @@ def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
         message = condition(target(cluster, op_namespace, "arriving"), "Progressing").get("message", "")
         return message if expected in message else None
 
-    message = wait_for(progressing, "the load's progress in the Progressing condition", timeout=120)
+    message = eventually(progressing, "the load's progress in the Progressing condition", timeout=120)
     body = target(cluster, op_namespace, "arriving")
     assert condition(body, "Ready")["status"] == "False"
     assert condition(body, "Progressing")["status"] == "True"
@@ -178,5 +179,5 @@ def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
     def ready() -> bool:
         return condition(target(cluster, op_namespace, "arriving"), "Ready").get("status") == "True"
 
-    wait_for(ready, "the target to turn Ready once its weights are complete", timeout=180)
+    eventually(ready, "the target to turn Ready once its weights are complete", timeout=180)
     assert not warnings(cluster, op_namespace, "arriving")

@@ -17,22 +17,15 @@ from typing import Any
 
 import kubernetes
 import pytest
-import yaml
 from eagle3_target.protocol import GROUP, PLURAL
 
-from tests.cluster.access import Cluster
-from tests.cluster.waiting import free_port
-from tests.eagle3_operator.harness import (
-    OperatorProcess,
-    PodServing,
-    ServerFarm,
-    Targets,
-    target_manifest,
-    wait_for,
-)
+from support.cluster.access import Cluster
+from support.cluster.waiting import eventually, free_port
+from support.crd import crd_manifest
+from support.operator_process import OperatorProcess
+from support.server_farm import PodServing, ServerFarm
+from support.targets import Targets, target_manifest
 
-REPO = Path(__file__).resolve().parents[2]
-CRD_FILE = REPO / "crds" / "eagle3targets.eagle3.dev.yaml"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 IMAGE_1, IMAGE_2 = "registry.local/eagle3-target:1.0", "registry.local/eagle3-target:2.0"
 
@@ -68,7 +61,7 @@ def test_operator_upgrade_restarts_no_target_until_opted_in(
         port = free_port()
         serving.ports.add(port)
         own.create(target_manifest("steady", port))
-        wait_for(lambda: own.ready_status("steady", replicas=1), "Ready under the first operator")
+        eventually(lambda: own.ready_status("steady", replicas=1), "Ready under the first operator")
         before = own.deployment("steady")
         (pod,) = own.pods("steady")
         assert server_image(own, "steady") == IMAGE_1
@@ -77,7 +70,7 @@ def test_operator_upgrade_restarts_no_target_until_opted_in(
         operator.stop()
         operator.extra_args = [f"--server-image={IMAGE_2}"]
         operator.start()
-        wait_for(lambda: operator.metric("eagle3_operator_reconciles_total", result="ok") > 0, "a pass")
+        eventually(lambda: operator.metric("eagle3_operator_reconciles_total", result="ok") > 0, "a pass")
         time.sleep(2)
         after = own.deployment("steady")
         assert after.metadata.generation == before.metadata.generation
@@ -86,21 +79,21 @@ def test_operator_upgrade_restarts_no_target_until_opted_in(
 
         # A Deployment rendered before images were pinned (no pin annotation) keeps the image it runs.
         cluster.kubectl("annotate", "-n", own.namespace, "deployment/steady", "eagle3.dev/server-image-")
-        wait_for(
+        eventually(
             lambda: own.deployment("steady").metadata.annotations.get("eagle3.dev/server-image") == IMAGE_1,
             "the pin restored from the running image",
         )
 
         # Scaling restarts no pod and keeps the image.
         generation = own.patch_spec("steady", {"replicas": 2})
-        wait_for(lambda: own.ready_status("steady", generation, replicas=2), "Ready at two replicas")
+        eventually(lambda: own.ready_status("steady", generation, replicas=2), "Ready at two replicas")
         assert pod.metadata.uid in {p.metadata.uid for p in own.pods("steady")}
         assert server_image(own, "steady") == IMAGE_1
 
         # Opting in moves the target to the running operator's image.
         cluster.kubectl("annotate", "-n", own.namespace, "e3t/steady", "eagle3.dev/upgrade-server-image=1")
-        wait_for(lambda: server_image(own, "steady") == IMAGE_2, "the opted-in upgrade")
-        wait_for(
+        eventually(lambda: server_image(own, "steady") == IMAGE_2, "the opted-in upgrade")
+        eventually(
             lambda: (
                 (s := own.ready_status("steady", replicas=2))
                 and pod.metadata.name not in {e["pod"] for e in s["endpoints"]}
@@ -118,27 +111,27 @@ def test_newer_crd_fields_are_warned_once_and_an_older_crd_is_refused(
     operator = OperatorProcess(cluster.kubeconfig, tmp_path, [own.namespace])
     try:
         # A newer CRD: schema version 2, and a new defaulted field the API server fills into every target.
-        newer = yaml.safe_load(CRD_FILE.read_text())
+        newer = crd_manifest()
         newer["metadata"]["annotations"]["eagle3.dev/schema-version"] = "2"
         spec_schema = newer["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
         spec_schema["properties"]["futureKnob"] = {"type": "string", "default": "on"}
         replace_crd(extensions, newer)
         operator.start()
-        wait_for(lambda: "schema version 2 found (newer" in operator.log(), "the CRD version logged")
+        eventually(lambda: "schema version 2 found (newer" in operator.log(), "the CRD version logged")
         port = free_port()
         serving.ports.add(port)
         own.create(target_manifest("skewed", port))
         assert own.get("skewed")["spec"]["futureKnob"] == "on"
-        wait_for(lambda: own.ready_status("skewed", replicas=1), "Ready despite the unknown field")
+        eventually(lambda: own.ready_status("skewed", replicas=1), "Ready despite the unknown field")
         generation = own.patch_spec("skewed", {"startupTimeoutSeconds": 700})  # more passes
-        wait_for(lambda: own.ready_status("skewed", generation, replicas=1), "Ready again")
+        eventually(lambda: own.ready_status("skewed", generation, replicas=1), "Ready again")
         warnings = [e for e in own.events("skewed") if e.reason == "UnknownFields"]
         assert len(warnings) == 1 and warnings[0].type == "Warning"
         assert "spec.futureKnob" in warnings[0].message
         operator.stop()
 
         # An older CRD (schema version 0): the operator says so and refuses to start.
-        older = yaml.safe_load(CRD_FILE.read_text())
+        older = crd_manifest()
         older["metadata"]["annotations"]["eagle3.dev/schema-version"] = "0"
         replace_crd(extensions, older)
         refused = subprocess.run(
@@ -152,7 +145,7 @@ def test_newer_crd_fields_are_warned_once_and_an_older_crd_is_refused(
         assert "schema version 0, this operator needs 1" in refused.stderr
     finally:
         operator.stop()
-        replace_crd(extensions, yaml.safe_load(CRD_FILE.read_text()))
+        replace_crd(extensions, crd_manifest())
 
 
 def replace_crd(extensions: kubernetes.client.ApiextensionsV1Api, crd: dict[str, Any]) -> None:
@@ -160,7 +153,7 @@ def replace_crd(extensions: kubernetes.client.ApiextensionsV1Api, crd: dict[str,
     current = extensions.read_custom_resource_definition(CRD_NAME)
     crd["metadata"]["resourceVersion"] = current.metadata.resource_version
     extensions.replace_custom_resource_definition(CRD_NAME, crd)
-    wait_for(
+    eventually(
         lambda: (
             extensions.read_custom_resource_definition(CRD_NAME).metadata.annotations.get(
                 "eagle3.dev/schema-version"
@@ -182,12 +175,12 @@ def test_two_operators_one_leader_and_the_standby_takes_over_when_it_dies(
     coordination = kubernetes.client.CoordinationV1Api(cluster.api_client)
     try:
         first.start()
-        wait_for(lambda: "leads" in first.log(), "the first operator to lead")
+        eventually(lambda: "leads" in first.log(), "the first operator to lead")
         second.start()  # its liveness answers while it waits
         port = free_port()
         serving.ports.add(port)
         own.create(target_manifest("shared", port))
-        wait_for(lambda: own.ready_status("shared", replicas=1), "Ready under the leader")
+        eventually(lambda: own.ready_status("shared", replicas=1), "Ready under the leader")
         time.sleep(3)
         assert "leads" not in second.log()
         assert second.metric_total("eagle3_operator_reconciles_total") == 0
@@ -196,11 +189,11 @@ def test_two_operators_one_leader_and_the_standby_takes_over_when_it_dies(
 
         first.kill()  # SIGKILL: the lease is not released, it has to run out
         died = time.monotonic()
-        wait_for(lambda: "leads" in second.log(), "the standby to take over", timeout=45)
+        eventually(lambda: "leads" in second.log(), "the standby to take over", timeout=45)
         took_over = time.monotonic() - died
         assert took_over < 30, took_over
         generation = own.patch_spec("shared", {"startupTimeoutSeconds": 700})
-        wait_for(lambda: own.ready_status("shared", generation, replicas=1), "Ready under the new leader")
+        eventually(lambda: own.ready_status("shared", generation, replicas=1), "Ready under the new leader")
         assert own.deployment("shared").spec.progress_deadline_seconds == 1000
 
         second.stop()  # a clean stop hands the lease back at once

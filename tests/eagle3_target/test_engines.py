@@ -3,20 +3,18 @@
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
-import yaml
 from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
 from eagle3_target.runners import ModelRefused, check_engine_args
 from eagle3_target.server.settings import ServerSettings
 
-CRD = Path(__file__).resolve().parents[2] / "crds" / "eagle3targets.eagle3.dev.yaml"
+from support.crd import crd_manifest
 
 
 def crd_engine_schema() -> dict:
-    (version,) = yaml.safe_load(CRD.read_text())["spec"]["versions"]
+    (version,) = crd_manifest()["spec"]["versions"]
     return version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
 
 

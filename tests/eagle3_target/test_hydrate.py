@@ -28,8 +28,8 @@ from eagle3_target.protocol import HydrationProgress
 from huggingface_hub.errors import GatedRepoError, RevisionNotFoundError
 from huggingface_hub.file_download import DryRunFileInfo
 
-from tests.cluster.waiting import LOOPBACK, free_port
-from tests.eagle3_target.server.server_process import serve_command
+from support.cluster.waiting import LOOPBACK, free_port
+from support.server_process import serve_command
 
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\x00" * 4096}
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cluster import nodes
+from support.cluster import nodes
 
 REPO = Path(__file__).resolve().parents[2]
 

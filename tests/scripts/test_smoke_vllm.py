@@ -13,7 +13,7 @@ import pytest
 from eagle3_target.tiny import write_tiny_model
 from typer.testing import CliRunner
 
-from tests.eagle3_target.runners import fake_vllm
+from support import fake_vllm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "smoke_vllm.py"
 CPU_CHECKS = [

@@ -16,7 +16,7 @@ from support.rendering import (
     children,
     make_spec,
 )
-from tests.eagle3_operator.harness import POD_SETTINGS
+from support.targets import POD_SETTINGS
 
 
 def test_default_target_renders_deployment_and_service():

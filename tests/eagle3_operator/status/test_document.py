@@ -2,18 +2,15 @@
 field in the CRD's schema, and an idle loop that writes nothing."""
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import yaml
 from eagle3_operator.status.document import STATUS_KEYS, compute_status, status_patch
 from eagle3_operator.status.observation import Failure, ProbeResult
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.crd import crd_manifest
 from support.observations import INFO, T0, condition, make_deployment, make_pod, make_spec, observe
-
-CRD = Path(__file__).parents[3] / "crds" / "eagle3targets.eagle3.dev.yaml"
 
 
 def test_last_failure_time_is_kept_for_the_same_reason_and_after_recovery():
@@ -54,7 +51,7 @@ def _schema_paths(schema: dict[str, Any], value: Any, path: str = "status") -> l
 
 def test_every_status_field_is_in_the_crd_schema():
     """A field the schema lacks is pruned by the API server, and the operator would rewrite it forever."""
-    crd = yaml.safe_load(CRD.read_text())
+    crd = crd_manifest()
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     failing = compute_status(
         observe(pods=(make_pod("t-a", failure=Failure("CrashLoopBackOff", "x")),)), {}, T0

@@ -8,18 +8,17 @@ from pathlib import Path
 import pytest
 from eagle3_target.runners.hf import HFRunner
 
-from tests.eagle3_target.client.helpers import TOKEN, start_on_port
-from tests.eagle3_target.server.server_process import ServerProcess, start_server
+from support.server_process import AUTH_TOKEN, ServerProcess, start_on_port, start_server
 
 HF_ARGS = ["--engine", "hf", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="session")
 def llama_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server for the whole session, bearer-token protected: clients must send `TOKEN`."""
+    """One server for the whole session, bearer-token protected: clients must send `AUTH_TOKEN`."""
     logs = tmp_path_factory.mktemp("server-logs")
     token_file = logs / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file.write_text(AUTH_TOKEN + "\n")
     args = ["--model", str(tiny_llama_dir), *HF_ARGS, "--auth-token-file", str(token_file)]
     server = start_server(logs, args)
     yield server

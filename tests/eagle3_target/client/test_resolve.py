@@ -23,8 +23,8 @@ from eagle3_target.client import (
 from eagle3_target.client.resolve import TargetResource, readiness
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
-from tests.cluster.waiting import free_port
-from tests.eagle3_target.client.helpers import create_target, status, write_status
+from support.cluster.waiting import free_port
+from support.targets import create_target, target_status, write_status
 
 
 def still_waiting(thread: threading.Thread) -> bool:
@@ -35,7 +35,7 @@ def still_waiting(thread: threading.Thread) -> bool:
 
 def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace, objects):
     create_target(objects, namespace, "tiny")
-    write_status(objects, namespace, "tiny", status(1, "False", "ModelLoading"))
+    write_status(objects, namespace, "tiny", target_status(1, "False", "ModelLoading"))
     # Bump the generation: from now on, a status written for generation 1 is stale.
     objects.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, "tiny", {"spec": {"replicas": 2}}
@@ -51,13 +51,17 @@ def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace,
     waiter = threading.Thread(target=run)
     waiter.start()
     assert still_waiting(waiter)
-    write_status(objects, namespace, "tiny", status(1, "True", "Serving", port=1111))  # Ready, but for gen 1
+    write_status(
+        objects, namespace, "tiny", target_status(1, "True", "Serving", port=1111)
+    )  # Ready, but for gen 1
     assert still_waiting(waiter)
-    write_status(objects, namespace, "tiny", status(2, "True", "Serving", ready_generation=1, port=2222))
+    write_status(
+        objects, namespace, "tiny", target_status(2, "True", "Serving", ready_generation=1, port=2222)
+    )
     assert still_waiting(waiter)
-    write_status(objects, namespace, "tiny", status(2, "False", "RollingUpdate", port=3333))
+    write_status(objects, namespace, "tiny", target_status(2, "False", "RollingUpdate", port=3333))
     assert still_waiting(waiter)
-    write_status(objects, namespace, "tiny", status(2, "True", "Serving", port=4444))
+    write_status(objects, namespace, "tiny", target_status(2, "True", "Serving", port=4444))
     waiter.join(timeout=60)
     [target] = results
     assert isinstance(target, ResolvedTarget), target
@@ -72,7 +76,7 @@ def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace,
 
 def test_timeout_names_the_last_reason(cluster, namespace, objects):
     create_target(objects, namespace, "slow")
-    write_status(objects, namespace, "slow", status(1, "False", "ModelLoading"))
+    write_status(objects, namespace, "slow", target_status(1, "False", "ModelLoading"))
     with pytest.raises(ResolveTimeout, match="ModelLoading"):
         resolve("slow", namespace, wait=1, kubeconfig=str(cluster.kubeconfig))
     objects.patch_namespaced_custom_object(
@@ -137,7 +141,7 @@ def test_deleted_while_waiting(cluster, namespace, objects):
 
 def test_cli_prints_json_and_urls(cluster, namespace, objects):
     create_target(objects, namespace, "tiny")
-    write_status(objects, namespace, "tiny", status(1, "True", "Serving", port=5555))
+    write_status(objects, namespace, "tiny", target_status(1, "True", "Serving", port=5555))
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     cli = [
         str(Path(sys.executable).parent / "eagle3-target"),
@@ -168,29 +172,32 @@ def test_cli_prints_json_and_urls(cluster, namespace, objects):
     [
         ({"metadata": {"generation": 1}}, False, "no Ready condition"),
         (
-            {"metadata": {"generation": 2}, "status": status(1, "True", "Serving")},
+            {"metadata": {"generation": 2}, "status": target_status(1, "True", "Serving")},
             False,
             "observedGeneration=1",
         ),
         (
-            {"metadata": {"generation": 2}, "status": status(2, "True", "Serving", ready_generation=1)},
+            {
+                "metadata": {"generation": 2},
+                "status": target_status(2, "True", "Serving", ready_generation=1),
+            },
             False,
             "Ready condition is stale",
         ),
         (
-            {"metadata": {"generation": 2}, "status": status(2, "False", "CrashLoopBackOff")},
+            {"metadata": {"generation": 2}, "status": target_status(2, "False", "CrashLoopBackOff")},
             False,
             "CrashLoopBackOff",
         ),
         (
             {
                 "metadata": {"generation": 2},
-                "status": status(2, "True", "Serving") | {"url": None, "endpoints": []},
+                "status": target_status(2, "True", "Serving") | {"url": None, "endpoints": []},
             },
             False,
             "neither status.url",
         ),
-        ({"metadata": {"generation": 2}, "status": status(2, "True", "Serving")}, True, "Serving"),
+        ({"metadata": {"generation": 2}, "status": target_status(2, "True", "Serving")}, True, "Serving"),
     ],
 )
 def test_readiness_rules(obj, ready, why):
@@ -207,7 +214,7 @@ def with_available(body: dict, available: str, reason: str, generation: int) -> 
 
 
 SCALING_UP = with_available(
-    {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")}, "True", "Serving", 2
+    {"metadata": {"generation": 2}, "status": target_status(2, "False", "Loading")}, "True", "Serving", 2
 )
 
 
@@ -218,7 +225,10 @@ SCALING_UP = with_available(
         (SCALING_UP, "Ready", False, "Loading"),  # require="Ready" still waits for all replicas
         (
             with_available(
-                {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")}, "True", "Serving", 1
+                {"metadata": {"generation": 2}, "status": target_status(2, "False", "Loading")},
+                "True",
+                "Serving",
+                1,
             ),
             "Available",
             False,
@@ -226,7 +236,7 @@ SCALING_UP = with_available(
         ),
         (
             with_available(
-                {"metadata": {"generation": 2}, "status": status(2, "False", "Unschedulable")},
+                {"metadata": {"generation": 2}, "status": target_status(2, "False", "Unschedulable")},
                 "False",
                 "Unschedulable",
                 2,
@@ -237,7 +247,7 @@ SCALING_UP = with_available(
         ),
         # An operator that publishes no Available condition is held to Ready.
         (
-            {"metadata": {"generation": 2}, "status": status(2, "False", "Loading")},
+            {"metadata": {"generation": 2}, "status": target_status(2, "False", "Loading")},
             "Available",
             False,
             "Ready=",
@@ -255,7 +265,10 @@ def test_resolve_returns_a_serving_target_at_once_and_waits_for_ready_only_when_
 ):
     generation = create_target(objects, namespace, "growing")["metadata"]["generation"]
     serving = with_available(
-        {"metadata": {}, "status": status(generation, "False", "Loading")}, "True", "Serving", generation
+        {"metadata": {}, "status": target_status(generation, "False", "Loading")},
+        "True",
+        "Serving",
+        generation,
     )
     write_status(objects, namespace, "growing", serving["status"])
     found = resolve("growing", namespace, wait=0, kubeconfig=str(cluster.kubeconfig))

@@ -15,20 +15,16 @@ from eagle3_target.runners.hf import HFRunner
 from eagle3_target.wire.tensors import encode
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.waiting import eventually, free_port
-from tests.eagle3_target.client.helpers import TOKEN, create_target, status, token_batch, write_status
+from support.cluster.waiting import eventually, free_port
+from support.server_process import AUTH_TOKEN
+from support.supervision import draft_mapping, token_batch
+from support.targets import create_target, target_status, write_status
 
 FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
 
 
-def draft_mapping(vocab: int = 256, draft: int = 96) -> VocabMapping:
-    return VocabMapping.from_selected_ids(
-        torch.randperm(vocab, generator=torch.Generator().manual_seed(7))[:draft], vocab
-    )
-
-
 def reference(runner, seed: int, mapping: VocabMapping | None = None) -> Eagle3TargetBatch:
-    input_ids, attention_mask, loss_mask = token_batch(seed)
+    input_ids, attention_mask, loss_mask = token_batch(seed, pad_last=3)
     logits, aux = runner.forward_eagle3(input_ids, attention_mask)
     return build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping)
 
@@ -55,10 +51,10 @@ def assert_identical(got: Eagle3TargetBatch, expected: Eagle3TargetBatch) -> Non
     ],
 )
 def test_batch_equals_in_process_hf_batch(llama_server, llama_runner, fmt, with_mapping):
-    mapping = draft_mapping() if with_mapping else None
+    mapping = draft_mapping(96, seed=7) if with_mapping else None
     expected = reference(llama_runner, seed=1, mapping=mapping)
-    with TargetClient(llama_server.url, token=TOKEN) as client:
-        got = client.batch(*token_batch(1), format=fmt, mapping=mapping)
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
+        got = client.batch(*token_batch(1, pad_last=3), format=fmt, mapping=mapping)
     assert_identical(got, expected)
     if mapping is not None:
         assert expected.position_mask.any() and not expected.position_mask.all()  # the mask is exercised
@@ -71,20 +67,20 @@ def test_batch_of_a_bfloat16_target_equals_in_process_hf_batch_dtypes_included(s
         for fmt, mapping in [
             ("hidden", None),
             ("logits", None),
-            ("draft", draft_mapping()),
-            ("probs", draft_mapping()),
+            ("draft", draft_mapping(96, seed=7)),
+            ("probs", draft_mapping(96, seed=7)),
         ]:
             expected = reference(runner, seed=8, mapping=mapping)
             assert expected.aux_hidden_states.dtype == torch.bfloat16
-            assert_identical(client.batch(*token_batch(8), format=fmt, mapping=mapping), expected)
+            assert_identical(client.batch(*token_batch(8, pad_last=3), format=fmt, mapping=mapping), expected)
 
 
 @pytest.mark.parametrize("fmt", ["hidden", "hidden_prenorm"])
 def test_supervise_gives_the_in_process_runners_unshifted_hidden_states(llama_server, llama_runner, fmt):
-    input_ids, attention_mask, _ = token_batch(3)
+    input_ids, attention_mask, _ = token_batch(3, pad_last=3)
     prenorm = fmt == "hidden_prenorm"
     final, aux = llama_runner.forward_hidden(input_ids, attention_mask, prenorm=prenorm)
-    with TargetClient(llama_server.url, token=TOKEN) as client:
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
         got = client.supervise(input_ids, attention_mask, format=fmt)
     last = "final_hidden_prenorm" if prenorm else "final_hidden"
     assert sorted(got) == sorted(["aux_hidden_states", last])
@@ -93,15 +89,15 @@ def test_supervise_gives_the_in_process_runners_unshifted_hidden_states(llama_se
 
 def test_formats_that_need_a_vocab_refuse_to_run_without_one(llama_server):
     with (
-        TargetClient(llama_server.url, token=TOKEN) as client,
+        TargetClient(llama_server.url, token=AUTH_TOKEN) as client,
         pytest.raises(ValueError, match="draft vocabulary"),
     ):
-        client.supervise(token_batch(1)[0], format="probs")
+        client.supervise(token_batch(1, pad_last=3)[0], format="probs")
 
 
 def test_as_target_runner_gives_nemos_runner_surface(llama_server, llama_runner):
-    input_ids, attention_mask, _ = token_batch(2)
-    with TargetClient(llama_server.url, token=TOKEN) as client:
+    input_ids, attention_mask, _ = token_batch(2, pad_last=3)
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
         runner = client.as_target_runner()
         config = runner.model.config
         assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (8, 64, 256)
@@ -117,13 +113,13 @@ def test_as_target_runner_gives_nemos_runner_surface(llama_server, llama_runner)
 
 
 def test_bad_input_is_rejected_once_and_the_server_keeps_serving(llama_server, llama_runner):
-    with TargetClient(llama_server.url, token=TOKEN) as client:
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
         with pytest.raises(RequestRejected) as rejected:
             client.supervise(torch.tensor([[1, 2, 9999]]))
         assert rejected.value.status_code == 422
         assert "9999" in rejected.value.message or "range" in rejected.value.message
         assert client.stats["requests"] == 1  # a 4xx is not retried
-        assert_identical(client.batch(*token_batch(3)), reference(llama_runner, seed=3))
+        assert_identical(client.batch(*token_batch(3, pad_last=3)), reference(llama_runner, seed=3))
 
 
 def test_unreachable_target_gives_up_with_the_last_error():
@@ -154,8 +150,8 @@ def test_a_server_killed_mid_run_loses_and_duplicates_no_batch(
     seeds = list(range(10, 22))
     expected = [reference(llama_runner, seed) for seed in seeds]
     delivered: list[Eagle3TargetBatch] = []
-    with TargetClient([llama_server.url, doomed.url], token=TOKEN, **FAST_RETRIES) as client:
-        for batch in client.prefetch((token_batch(seed) for seed in seeds), depth=3):
+    with TargetClient([llama_server.url, doomed.url], token=AUTH_TOKEN, **FAST_RETRIES) as client:
+        for batch in client.prefetch((token_batch(seed, pad_last=3) for seed in seeds), depth=3):
             delivered.append(batch)
             if len(delivered) == 3:
                 doomed.process.kill()
@@ -189,7 +185,7 @@ def test_a_full_queue_answers_429_and_the_client_comes_back_after_retry_after(
     eventually(long_batch_started, "the long batch to reach the engine", timeout=120, interval=0.02)
     seeds = list(range(30, 38))
     with TargetClient(busy.url, **FAST_RETRIES) as client:
-        delivered = list(client.prefetch((token_batch(seed) for seed in seeds), depth=6))
+        delivered = list(client.prefetch((token_batch(seed, pad_last=3) for seed in seeds), depth=6))
         assert client.stats["status_429"] >= 1
     occupier.join()
     assert [r.status_code for r in occupied] == [200]
@@ -231,7 +227,7 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
 
     def fetch() -> None:
         try:
-            outcome.append(strict.batch(*token_batch(4)))
+            outcome.append(strict.batch(*token_batch(4, pad_last=3)))
         except BaseException as exc:
             outcome.append(exc)
 
@@ -252,7 +248,7 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
     assert_identical(got, reference(llama_runner, seed=4))
     assert strict.stats["status_503"] >= 1, (strict.stats, first.log()[-2000:])
 
-    input_ids = token_batch(5)[0]
+    input_ids = token_batch(5, pad_last=3)[0]
     tolerant.supervise(input_ids)
     assert tolerant.info().aux_layer_ids == [1, 3, 4]
     started_with = strict.fingerprint
@@ -275,7 +271,7 @@ def test_bearer_token_is_sent(llama_server):
         assert anonymous.info().num_hidden_layers == 8
         anonymous.weight("lm_head")
     assert rejected.value.status_code == 401
-    with TargetClient(llama_server.url, token=TOKEN) as client:
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
         assert client.weight("lm_head").shape[0] == client.info().vocab_size
 
 
@@ -284,7 +280,7 @@ def test_client_by_resource_name_follows_endpoint_changes(
 ):
     """The operator moved the target: the published endpoint died and a new one appeared in status."""
     dead = f"http://127.0.0.1:{free_port()}"
-    published = status(1, "True", "Serving")
+    published = target_status(1, "True", "Serving")
     published["model"] = published["model"] | {"fingerprint": llama_server_fingerprint(llama_server)}
     create_target(objects, namespace, "moving")
     write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(dead)]})
@@ -293,13 +289,13 @@ def test_client_by_resource_name_follows_endpoint_changes(
         namespace=namespace,
         wait=30,
         kubeconfig=str(cluster.kubeconfig),
-        token=TOKEN,
+        token=AUTH_TOKEN,
         **FAST_RETRIES,
     )
     assert client.pool.urls == (dead,)
     write_status(objects, namespace, "moving", published | {"endpoints": [endpoint(llama_server.url)]})
     with client:
-        assert_identical(client.batch(*token_batch(6)), reference(llama_runner, seed=6))
+        assert_identical(client.batch(*token_batch(6, pad_last=3)), reference(llama_runner, seed=6))
     assert client.pool.urls == (llama_server.url,)
     assert client.stats["refreshes"] >= 1
 
@@ -309,7 +305,7 @@ def endpoint(url: str) -> dict:
 
 
 def llama_server_fingerprint(server) -> str:
-    headers = {"Authorization": f"Bearer {TOKEN}"}
+    headers = {"Authorization": f"Bearer {AUTH_TOKEN}"}
     return httpx.get(server.url + "/v1/info", headers=headers, timeout=10).json()["fingerprint"]
 
 

@@ -7,7 +7,7 @@ from eagle3_target.client import TargetClient
 from typer.testing import CliRunner
 
 from examples.train_draft import main, train
-from tests.eagle3_target.client.helpers import TOKEN
+from support.server_process import AUTH_TOKEN
 
 
 def mean(history: list[dict[str, float]], key: str) -> float:
@@ -15,7 +15,7 @@ def mean(history: list[dict[str, float]], key: str) -> float:
 
 
 def test_draft_loss_drops_over_200_steps(llama_server):
-    with TargetClient(llama_server.url, token=TOKEN) as client:
+    with TargetClient(llama_server.url, token=AUTH_TOKEN) as client:
         history = train(client, steps=200, progress=False)
     assert [h["step"] for h in history] == list(range(200))
     first, last = history[:20], history[-20:]
@@ -27,7 +27,7 @@ def test_draft_loss_drops_over_200_steps(llama_server):
 
 def test_command_line_trains_against_a_url(llama_server, tmp_path):
     token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file.write_text(AUTH_TOKEN + "\n")
     app = typer.Typer()
     app.command()(main)
     args = ["--url", llama_server.url, "--token-file", str(token_file), "--steps", "6", "--format", "draft"]

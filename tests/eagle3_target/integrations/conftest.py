@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 from eagle3_target.tiny import write_tiny_model
 
-from tests.eagle3_target.integrations.reference import make_rows
-from tests.eagle3_target.server.server_process import ServerProcess, start_server
-
-MAX_MODEL_LEN = 64
-MAX_BATCH_TOKENS = 256
+from support.server_process import ServerProcess, start_server
+from support.trainer_rows import MAX_BATCH_TOKENS, MAX_MODEL_LEN, make_rows
 
 
 @pytest.fixture(scope="session")

@@ -27,10 +27,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from tests.cluster.waiting import free_port
-from tests.eagle3_target.client.helpers import create_target, status, write_status
-from tests.eagle3_target.integrations.conftest import MAX_MODEL_LEN
-from tests.eagle3_target.integrations.reference import sglang_record, vllm_file
+from support.cluster.waiting import free_port
+from support.targets import create_target, target_status, write_status
+from support.trainer_rows import MAX_MODEL_LEN, sglang_record, vllm_file
 
 ONE_ROW = ["--batch-tokens", "48"]  # the longest row: every request holds one row, unpadded, as vLLM runs it
 
@@ -287,7 +286,7 @@ def test_export_by_resource_name_follows_the_targets_status(
     operator and publishes the server's endpoint in status)."""
     with TargetClient(bf16_server.url) as client:
         fingerprint = client.info().fingerprint
-    published = status(1, "True", "AllReplicasReady")
+    published = target_status(1, "True", "AllReplicasReady")
     published["model"] = published["model"] | {"fingerprint": fingerprint}
     published["endpoints"] = [
         {"pod": "llama31-8b-0", "address": bf16_server.url, "ready": True, "node": "n0"}

@@ -26,7 +26,7 @@ from eagle3_target.integrations.layouts import SpecForgeLayout
 from eagle3_target.integrations.rows import JsonlRows
 from transformers import AutoModelForCausalLM
 
-from tests.eagle3_target.integrations.reference import write_sglang_files
+from support.trainer_rows import write_sglang_files
 
 MAX_LEN = 64
 # SpecForge's own tiny EAGLE-3 draft for H=64, V=256 (its tests' TINY_DRAFT_CONFIG).

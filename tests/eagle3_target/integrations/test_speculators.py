@@ -29,7 +29,7 @@ from eagle3_target.integrations.layouts import SpeculatorsLayout
 from eagle3_target.integrations.rows import PreparedRows
 from transformers import AutoModelForCausalLM
 
-from tests.eagle3_target.integrations.reference import write_vllm_files
+from support.trainer_rows import write_vllm_files
 
 TOTAL_SEQ_LEN = 128
 

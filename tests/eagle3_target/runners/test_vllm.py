@@ -1,4 +1,4 @@
-"""The vLLM runner against a stand-in `vllm` (tests/eagle3_target/runners/fake_vllm.py) fed by real forwards.
+"""The vLLM runner against a stand-in `vllm` (support/fake_vllm.py) fed by real forwards.
 
 The reference is the HF runner on the same checkpoint. Tolerance: the models are fp32 and the rebuild
 applies the same RMSNorm and LM head formulas as transformers, so the only difference is matmul rounding:
@@ -24,7 +24,7 @@ from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, RUNNER_OPTIONS, 
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
 
-from tests.eagle3_target.runners import fake_vllm as stand_in
+from support import fake_vllm as stand_in
 
 ATOL = 1e-5
 HIDDEN = 64

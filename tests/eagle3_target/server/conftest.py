@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 from eagle3_target.runners import TargetRunner, load_runner
 
-from tests.cluster.waiting import LOOPBACK, free_port
-from tests.eagle3_target.server.server_process import ServerProcess, start_server
-
-MAX_BATCH_TOKENS = 2048
-MAX_MODEL_LEN = 256
-AUTH_TOKEN = "s3cret-token-for-tests"
+from support.cluster.waiting import LOOPBACK, free_port
+from support.server_process import AUTH_TOKEN, MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from eagle3_target.server.loading import (
 )
 from eagle3_target.server.target import CanaryError
 
-from tests.cluster.waiting import LOOPBACK, free_port
-from tests.eagle3_target.server.server_process import launch
+from support.cluster.waiting import LOOPBACK, free_port
+from support.server_process import launch
 
 EXIT_SECONDS = 90  # a Python start, the imports and the refusal, on a busy shared CI machine
 

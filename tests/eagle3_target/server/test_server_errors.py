@@ -17,21 +17,10 @@ from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
-from tests.eagle3_target.server.conftest import MAX_BATCH_TOKENS, MAX_MODEL_LEN
-from tests.eagle3_target.server.helpers import VOCAB, assert_error, draft_mapping, put_mapping, token_batch
-from tests.eagle3_target.server.server_process import serve_in_thread
+from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, serve_in_thread
+from support.supervision import VOCAB, assert_error, assert_still_serving, draft_mapping, put_mapping
 
 TOKEN_BODY_LIMIT = ServerSettings(model="unused", max_batch_tokens=MAX_BATCH_TOKENS).token_body_limit
-
-
-def assert_still_serving(url: str) -> None:
-    assert httpx.get(url + "/healthz").status_code == 200
-    ids, mask = token_batch(1, 8, seed=0)
-    ok = httpx.post(
-        url + "/v1/supervision", content=tensor_wire.encode({"input_ids": ids, "attention_mask": mask})
-    )
-    assert ok.status_code == 200
-    assert set(tensor_wire.decode(ok.content)[0]) == {"aux_hidden_states", "final_hidden"}
 
 
 def ids(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -8,7 +8,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.eagle3_target.server.test_server_errors import assert_still_serving
+from support.supervision import assert_still_serving
 
 NEMO_MAGIC = struct.pack("<I", 0x4E4D4554)
 BODY_ROUTES = [

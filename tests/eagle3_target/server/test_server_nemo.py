@@ -11,7 +11,7 @@ import torch
 from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.wire import nemo as nemo_wire
 
-from tests.eagle3_target.server.helpers import assert_error, draft_mapping, token_batch
+from support.supervision import assert_error, draft_mapping, token_batch
 
 SUPERVISION_KEYS = ["aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"]
 
@@ -61,7 +61,7 @@ def assert_generate_matches(response: httpx.Response, want: dict[str, torch.Tens
 
 def test_nemo_client_protocol(server, reference_runner):
     mapping = draft_mapping(64, seed=31)
-    ids, mask = token_batch(2, 20, seed=32, pad_last=5)
+    ids, mask, _ = token_batch(32, 2, 20, pad_last=5)
     loss_mask = loss_mask_for(mask)
     with nemo_session() as session:
         assert session.get(server.url + "/health").json() == {"status": "ok"}
@@ -90,7 +90,7 @@ def test_nemo_client_protocol(server, reference_runner):
 
 def test_two_trainers_with_different_mappings_do_not_overwrite_each_other(server, reference_runner):
     first, second = draft_mapping(50, seed=41), draft_mapping(90, seed=42)
-    ids, mask = token_batch(1, 18, seed=43)
+    ids, mask, _ = token_batch(43, 1, 18)
     loss_mask = loss_mask_for(mask)
     with nemo_session() as trainer_a, nemo_session() as trainer_b:
         assert set_mapping(trainer_a, server.url, first).status_code == 200
@@ -125,6 +125,6 @@ def test_nemo_bad_bodies(server):
             {"input_ids": torch.ones(1, 4, dtype=torch.int64), "attention_mask": None}
         )
         assert_error(session.post(server.url + "/generate", content=no_loss_mask), 422, "invalid_input")
-        ids, mask = token_batch(1, 6, seed=1)
+        ids, mask, _ = token_batch(1, 1, 6)
         ok = generate(session, server.url, ids, mask, mask)
         assert ok.status_code == 200

@@ -14,10 +14,8 @@ from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
-from tests.eagle3_target.server.conftest import AUTH_TOKEN
-from tests.eagle3_target.server.helpers import assert_error, token_batch
-from tests.eagle3_target.server.server_process import serve_in_thread
-from tests.eagle3_target.server.test_server_routes import metric_samples
+from support.server_process import AUTH_TOKEN, serve_in_thread
+from support.supervision import assert_error, metric_samples, token_batch
 
 AUTH = {"Authorization": f"Bearer {AUTH_TOKEN}"}
 
@@ -68,7 +66,7 @@ def test_token_opens_routes_and_env_configures_the_server(restricted_server):
     assert info.status_code == 200
     assert info.json()["aux_layer_ids"] == [0, 2, 5]  # EAGLE3_TARGET_AUX_LAYER_IDS
     assert info.json()["max_batch_tokens"] == 65536
-    ids, mask = token_batch(1, 8, seed=2)
+    ids, mask, _ = token_batch(2, 1, 8)
     response = httpx.post(
         restricted_server.url + "/v1/supervision",
         headers=AUTH,
@@ -98,7 +96,7 @@ def test_full_queue_answers_429_with_retry_after(restricted_server):
     while metric_samples(url)[("eagle3_batch_tokens_sum", ())] < batches_before + big_ids.numel():
         assert time.monotonic() < deadline, "the long request never reached the engine"
         time.sleep(0.05)
-    small = [token_batch(1, 4 + i, seed=i)[0] for i in range(4)]
+    small = [token_batch(i, 1, 4 + i)[0] for i in range(4)]
     responses: list[httpx.Response | None] = [None] * len(small)
     start = threading.Barrier(len(small))
 

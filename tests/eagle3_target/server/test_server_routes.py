@@ -11,12 +11,12 @@ import pytest
 import torch
 from eagle3_target.server.fingerprint import model_fingerprint
 from eagle3_target.wire import tensors as tensor_wire
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.eagle3_target.server.conftest import MAX_BATCH_TOKENS, MAX_MODEL_LEN
-from tests.eagle3_target.server.helpers import (
+from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN
+from support.supervision import (
     assert_same_tensors,
     draft_mapping,
+    metric_samples,
     put_mapping,
     reference,
     supervise,
@@ -77,7 +77,7 @@ def wait_for_log_entry(server, request_id: str) -> dict:
 @pytest.mark.parametrize("fmt", ["hidden", "draft", "probs", "logits", "hidden_prenorm"])
 def test_every_format_matches_in_process_runner(server, reference_runner, fmt):
     mapping = draft_mapping(96, seed=11)
-    ids, mask = token_batch(2, 24, seed=5, pad_last=7)
+    ids, mask, _ = token_batch(5, 2, 24, pad_last=7)
     with httpx.Client() as client:
         assert put_mapping(client, server.url, "fmt-test", mapping).status_code == 200
         params = {"format": fmt} | ({"vocab": "fmt-test"} if fmt in ("draft", "probs") else {})
@@ -91,7 +91,7 @@ def test_every_format_matches_in_process_runner(server, reference_runner, fmt):
 
 
 def test_default_format_is_hidden_and_mask_is_optional(server, reference_runner):
-    ids, _ = token_batch(1, 9, seed=6)
+    ids, _, _ = token_batch(6, 1, 9)
     with httpx.Client() as client:
         got, metadata = supervise(client, server.url, {"input_ids": ids.to(torch.int32)})
     assert metadata["format"] == "hidden"
@@ -99,7 +99,7 @@ def test_default_format_is_hidden_and_mask_is_optional(server, reference_runner)
 
 
 def test_logits_in_bfloat16(server, reference_runner):
-    ids, mask = token_batch(2, 12, seed=8)
+    ids, mask, _ = token_batch(8, 2, 12)
     with httpx.Client() as client:
         got, _ = supervise(
             client, server.url, {"input_ids": ids, "attention_mask": mask}, format="logits", dtype="bfloat16"
@@ -110,7 +110,7 @@ def test_logits_in_bfloat16(server, reference_runner):
 
 def test_vocab_mappings_are_kept_per_id(server, reference_runner):
     first, second = draft_mapping(40, seed=1), draft_mapping(70, seed=2)
-    ids, mask = token_batch(1, 16, seed=9)
+    ids, mask, _ = token_batch(9, 1, 16)
     with httpx.Client() as client:
         answer = put_mapping(client, server.url, "per-id-a", first)
         assert answer.json() == {"id": "per-id-a", "draft_vocab_size": 40, "digest": first.digest()}
@@ -150,12 +150,12 @@ def test_weights(server, reference_runner, name):
 def test_concurrent_clients_each_get_their_own_rows(server, reference_runner):
     """16 clients at once, same shape so the worker may coalesce them: each answer is its own batch's."""
     clients = 16
-    batches = [token_batch(2, 20, seed=100 + i) for i in range(clients)]
+    batches = [token_batch(100 + i, 2, 20) for i in range(clients)]
     results: list[dict | None] = [None] * clients
     start = threading.Barrier(clients)
 
     def run(i: int) -> None:
-        ids, mask = batches[i]
+        ids, mask, _ = batches[i]
         with httpx.Client(timeout=120) as client:
             start.wait()
             results[i], _ = supervise(
@@ -167,7 +167,7 @@ def test_concurrent_clients_each_get_their_own_rows(server, reference_runner):
         t.start()
     for t in threads:
         t.join()
-    wants = [reference(reference_runner, "logits", ids, mask) for ids, mask in batches]
+    wants = [reference(reference_runner, "logits", ids, mask) for ids, mask, _ in batches]
     for i, want in enumerate(wants):
         got = results[i]
         assert got is not None
@@ -179,18 +179,9 @@ def test_concurrent_clients_each_get_their_own_rows(server, reference_runner):
         assert not any(torch.allclose(got["logits"], other["logits"], atol=1e-2) for other in others)
 
 
-def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url + "/metrics").text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def test_metrics_parse_and_move(server):
     before = metric_samples(server.url)
-    ids, mask = token_batch(3, 10, seed=21)
+    ids, mask, _ = token_batch(21, 3, 10)
     with httpx.Client() as client:
         response = client.post(
             server.url + "/v1/supervision",

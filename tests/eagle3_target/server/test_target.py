@@ -18,7 +18,7 @@ from eagle3_target.server.target import (
     nemo_generate_compute,
 )
 
-from tests.eagle3_target.server.helpers import draft_mapping, token_batch
+from support.supervision import draft_mapping, token_batch
 
 
 class WithoutFullLogits:
@@ -40,7 +40,7 @@ def loaded(tiny_llama_dir: Path) -> LoadedTarget:
 
 
 def nemo_inputs(seed: int) -> dict[str, torch.Tensor]:
-    ids, mask = token_batch(3, 24, seed=seed, pad_last=7)
+    ids, mask, _ = token_batch(seed, 3, 24, pad_last=7)
     loss_mask = mask.clone()
     loss_mask[:, :4] = 0
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import plane
-from tests.cluster.access import BIN_DIR
-from tests.cluster.processes import ClusterStartError, Process, log_tail, spawn, stop, wait_until
-from tests.cluster.waiting import eventually
+from support.cluster import plane
+from support.cluster.access import BIN_DIR
+from support.cluster.processes import ClusterStartError, Process, log_tail, spawn, stop, wait_until
+from support.cluster.waiting import eventually
 
 
 def gone(pid: int) -> bool:
@@ -54,7 +54,7 @@ def test_processes_die_with_the_test_process_that_started_them(tmp_path):
     starter = f"""
 import sys, time
 from pathlib import Path
-from tests.cluster.processes import spawn
+from support.cluster.processes import spawn
 log = Path({str(tmp_path / "sleeper.log")!r})
 print(spawn("sleeper", ["sleep", "60"], log, die_with_parent=True).pid, flush=True)
 time.sleep(60)

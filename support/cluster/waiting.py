@@ -29,9 +29,10 @@ def direct_opener(context: ssl.SSLContext | None = None) -> urllib.request.Opene
     )
 
 
-def eventually(check: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.2) -> T:
+def eventually(check: Callable[[], T], what: str, timeout: float = 90.0, interval: float = 0.2) -> T:
     """Call `check` until it returns something truthy and return that; TimeoutError names `what` and the
-    last value seen, so a failure says how far things got."""
+    last value seen, so a failure says how far things got. The default timeout leaves room for an operator
+    reconcile that sits out a retry backoff first."""
     deadline = time.monotonic() + timeout
     while True:
         last: Any = check()

@@ -1,5 +1,5 @@
-"""Runs ``eagle3-target serve`` as a real subprocess on a loopback port, for the server and client tests
-and the benchmarks."""
+"""Runs ``eagle3-target serve`` as a real subprocess on a loopback port (or an app in a thread), for the
+server, client and trainer tests and the benchmarks, and the settings the tests' shared servers run with."""
 
 from __future__ import annotations
 
@@ -9,16 +9,30 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import uvicorn
+from uvicorn._types import ASGIApplication
 
-from tests.cluster.processes import terminate
-from tests.cluster.waiting import LOOPBACK, free_port
+from support.cluster.processes import terminate
+from support.cluster.waiting import LOOPBACK, eventually, free_port
+
+# The bearer token of every test server that wants one (spec.auth, --auth-token-file).
+AUTH_TOKEN = "s3cret-token"
+# The limits the server tests' shared server runs with; tests probe just past them.
+MAX_BATCH_TOKENS = 2048
+MAX_MODEL_LEN = 256
+
+
+def status_code(url: str, headers: dict[str, str] | None = None) -> int | None:
+    """The status a GET of `url` answers with, or None while nothing answers there."""
+    try:
+        return httpx.get(url, headers=headers, timeout=5).status_code
+    except httpx.TransportError:
+        return None
 
 
 def serve_command() -> list[str]:
@@ -37,19 +51,17 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_until(self, path: str, status: int, timeout: float = 180.0, headers: dict | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
+        """Poll `path` until it answers `status`; fails at once, with the log, if the server exits."""
+
+        def answered() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                last = httpx.get(self.url + path, headers=headers, timeout=5).status_code
-                if last == status:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{path} never answered {status} (last {last}):\n{self.log()[-4000:]}")
+            return status_code(self.url + path, headers) == status
+
+        try:
+            eventually(answered, f"{path} to answer {status}", timeout=timeout)
+        except TimeoutError as error:
+            raise TimeoutError(f"{error}\n{self.log()[-4000:]}") from None
 
     def stop(self) -> None:
         terminate(self.process, grace_seconds=30)
@@ -70,6 +82,11 @@ def launch(
             env=full_env,
         )
     return ServerProcess(f"http://{LOOPBACK}:{port}", process, log_path)
+
+
+def start_on_port(log_dir: Path, port: int, args: list[str]) -> ServerProcess:
+    """A server on a fixed port (to restart "the same" endpoint); returns as soon as the process runs."""
+    return launch(log_dir / f"server-{port}-{len(list(log_dir.glob('*.log')))}.log", port, args)
 
 
 def start_server(
@@ -93,17 +110,19 @@ def start_server(
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: object) -> Iterator[str]:
+def serve_in_thread(app: ASGIApplication) -> Iterator[str]:
     """Run an ASGI app under a real uvicorn server on a loopback port in this process; yields its URL."""
     config = uvicorn.Config(app, host=LOOPBACK, port=free_port(), log_config=None, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
+
+    def started() -> bool:
+        if not thread.is_alive():
             raise RuntimeError("in-process server did not start")
-        time.sleep(0.05)
+        return server.started
+
+    eventually(started, "the in-process server to start", timeout=60, interval=0.05)
     try:
         yield f"http://{LOOPBACK}:{config.port}"
     finally:

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from tests.cluster import nodes, plane
-from tests.cluster.access import Cluster
-from tests.cluster.waiting import direct_opener, eventually
+from support.cluster import nodes, plane
+from support.cluster.access import Cluster
+from support.cluster.waiting import direct_opener, eventually
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 

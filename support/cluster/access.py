@@ -73,7 +73,9 @@ class Cluster:
             )
         )
         core = kubernetes.client.CoreV1Api(self.api_client)
-        return core.create_namespaced_service_account_token(name, namespace, request).status.token
+        granted = core.create_namespaced_service_account_token(name, namespace, request)
+        assert granted.status is not None and granted.status.token, "the API server granted no token"
+        return granted.status.token
 
     def write_service_account_kubeconfig(self, namespace: str, name: str, path: Path) -> Path:
         """A kubeconfig that authenticates as system:serviceaccount:NAMESPACE:NAME (what an in-cluster pod

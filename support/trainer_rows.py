@@ -1,4 +1,5 @@
-"""Independent references for the trainers' feature files, from a plain transformers forward of each row
+"""The rows every exporter and trainer test uses, the limits of the bf16 server they are served by, and
+independent references for the trainers' feature files, from a plain transformers forward of each row
 alone, the way the engines the trainers were written against capture them:
 
 - vLLM (speculators): capture id k is the residual stream entering decoder layer k, which is transformers'
@@ -19,6 +20,9 @@ from torch import Tensor, nn
 
 NUM_ROWS = 12
 VOCAB = 256
+# The bf16 server of the trainer tests: rows (20..48 tokens) fit its context; batches split at its budget.
+MAX_MODEL_LEN = 64
+MAX_BATCH_TOKENS = 256
 
 
 def make_rows(num_rows: int = NUM_ROWS, seed: int = 3) -> list[dict[str, list[int]]]:
@@ -37,7 +41,8 @@ def make_rows(num_rows: int = NUM_ROWS, seed: int = 3) -> list[dict[str, list[in
 def capture(model: nn.Module, input_ids: list[int]) -> tuple[tuple[Tensor, ...], Tensor]:
     """(transformers' hidden_states, the final norm's input), for one row run alone."""
     seen: list[Tensor] = []
-    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    norm: nn.Module = model.model.norm  # type: ignore[assignment]  # transformers declares it Tensor | Module
+    hook = norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     try:
         with torch.no_grad():
             out = model(input_ids=torch.tensor([input_ids]), output_hidden_states=True)

@@ -16,7 +16,7 @@ GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node=fake"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 # A GPU node whose pods kwok does not run (kwok-stages.yaml's pod-ready stage skips it by this name): the
-# tests' kubelet (tests/eagle3_operator/harness.py) runs their server processes and reports their states.
+# tests' kubelet (support/kubelet.py) runs their server processes and reports their states.
 # Tainted, so that only pods which tolerate the taint (and pick the node) land there.
 KUBELET_NODE = "gpu-kubelet"
 KUBELET_NODE_INDEX = 99
@@ -75,20 +75,22 @@ def kubelet_node() -> dict[str, object]:
 def create_gpu_nodes(api_client: kubernetes.client.ApiClient, count: int) -> list[str]:
     core = kubernetes.client.CoreV1Api(api_client)
     for index in range(count):
-        core.create_node(gpu_node(index))
+        core.create_node(gpu_node(index))  # type: ignore[arg-type]  # the client sends a dict body as is
     return [gpu_node_name(index) for index in range(count)]
 
 
 def schedulable(node: kubernetes.client.V1Node) -> bool:
     """Ready, and the node-lifecycle controller has lifted the not-ready taint every new node starts with."""
-    ready = any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
-    tainted = any(t.key == NOT_READY_TAINT for t in node.spec.taints or [])
+    conditions = (node.status.conditions if node.status else None) or []
+    taints = (node.spec.taints if node.spec else None) or []
+    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    tainted = any(t.key == NOT_READY_TAINT for t in taints)
     return ready and not tainted
 
 
 def all_schedulable(api_client: kubernetes.client.ApiClient, names: list[str]) -> bool:
     nodes = kubernetes.client.CoreV1Api(api_client).list_node().items
-    by_name = {n.metadata.name: n for n in nodes}
+    by_name = {n.metadata.name: n for n in nodes if n.metadata}
     return all(name in by_name and schedulable(by_name[name]) for name in names)
 
 
@@ -120,4 +122,5 @@ def gpu_deployment(name: str, replicas: int, gpus: int) -> dict[str, object]:
 
 
 def pod_ready(pod: kubernetes.client.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+    conditions = (pod.status.conditions if pod.status else None) or []
+    return any(c.type == "Ready" and c.status == "True" for c in conditions)

@@ -9,6 +9,7 @@ are off, because the API rejects loopback endpoint addresses; tests and the oper
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import secrets
 import shutil
@@ -23,12 +24,12 @@ from pathlib import Path
 import kubernetes
 import yaml
 
-from tests.cluster import nodes
-from tests.cluster.access import BIN_DIR, REPO, Cluster
-from tests.cluster.processes import ClusterStartError, Process, spawn, stop, wait_until
-from tests.cluster.waiting import direct_opener
+from support.cluster import nodes
+from support.cluster.access import BIN_DIR, REPO, Cluster
+from support.cluster.processes import ClusterStartError, Process, spawn, stop, wait_until
+from support.cluster.waiting import direct_opener
 
-CLI_DIR = REPO / ".cache" / "cluster"  # where `python -m tests.cluster up` keeps its cluster
+CLI_DIR = REPO / ".cache" / "cluster"  # where `python -m support.cluster up` keeps its cluster
 STAGES = Path(__file__).with_name("kwok-stages.yaml")
 SERVICE_CIDR = "127.2.0.0/16"
 FALLBACK_POD_CIDR = f"127.{nodes.POD_NET}.0.0/24"
@@ -226,7 +227,7 @@ def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path 
 
     detached=False ties the processes to this Python process: they are stopped at interpreter exit, and the
     kernel kills them if the calling thread dies (so call this from the main thread). detached=True leaves
-    them running for `python -m tests.cluster down` to stop.
+    them running for `python -m support.cluster down` to stop.
     """
     missing = missing_binaries(bin_dir)
     if missing:
@@ -280,7 +281,7 @@ def start(directory: Path, *, detached: bool, gpu_nodes: int = 2, bin_dir: Path 
             ("kube-scheduler", ports.scheduler),
         ):
             url = f"https://127.0.0.1:{port}/healthz"
-            wait_until(lambda url=url: _answers(url, unverified), f"{name} /healthz", 120, plane.processes)
+            wait_until(functools.partial(_answers, url, unverified), f"{name} /healthz", 120, plane.processes)
             ready(name)
         wait_until(
             lambda: nodes.all_schedulable(api_client, node_names),

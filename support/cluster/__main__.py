@@ -1,4 +1,4 @@
-"""`python -m tests.cluster up|down|status`: a control plane that outlives the command, for the demo,
+"""`python -m support.cluster up|down|status`: a control plane that outlives the command, for the demo,
 for poking at with kubectl, and for test runs to reuse instead of starting their own. `timing` measures
 how long a private plane takes to run its first pod."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import kubernetes
 import typer
 
-from tests.cluster import nodes, plane
-from tests.cluster.processes import ClusterStartError
-from tests.cluster.waiting import eventually
+from support.cluster import nodes, plane
+from support.cluster.processes import ClusterStartError
+from support.cluster.waiting import eventually
 
 app = typer.Typer(add_completion=False, no_args_is_help=True)
 
@@ -62,9 +62,10 @@ def status() -> None:
         typer.echo(f"{process.name:<24} pid {process.pid:<8} {state:<8} {process.log}")
     typer.echo(f"kubeconfig: {running.kubeconfig}")
     if plane.find_running() is None:
-        typer.echo("the plane is not healthy: `python -m tests.cluster up` restarts it")
+        typer.echo("the plane is not healthy: `python -m support.cluster up` restarts it")
         raise typer.Exit(1)
     for node in kubernetes.client.CoreV1Api(running.cluster().api_client).list_node().items:
+        assert node.metadata and node.spec and node.status, "the API server returns nodes whole"
         gpus = (node.status.allocatable or {}).get(nodes.GPU_RESOURCE, "0")
         state = "schedulable" if nodes.schedulable(node) else "not schedulable"
         typer.echo(f"node {node.metadata.name:<8} {state:<16} gpus={gpus} podCIDR={node.spec.pod_cidr}")
@@ -79,7 +80,8 @@ def timing() -> None:
         try:
             api = private.cluster().api_client
             kubernetes.client.AppsV1Api(api).create_namespaced_deployment(
-                "default", nodes.gpu_deployment("first", 1, 1)
+                "default",
+                nodes.gpu_deployment("first", 1, 1),  # type: ignore[arg-type]  # the client sends a dict as is
             )
             core = kubernetes.client.CoreV1Api(api)
 

@@ -2,7 +2,7 @@
 kube-scheduler and kwok (simulated GPU nodes), built from Go modules by build-tools.sh and run on loopback.
 
 Use it through the fixtures in tests/conftest.py (`cluster`: an `access.Cluster`; `namespace`: a fresh one per
-test) or keep one running with `python -m tests.cluster up|status|down`, which test runs then reuse.
+test) or keep one running with `python -m support.cluster up|status|down`, which test runs then reuse.
 
 What to expect of it:
 - two schedulable nodes, gpu-0 and gpu-1, with 8 `nvidia.com/gpu` each (nodes.py);

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tests.cluster.waiting import eventually
+from support.cluster.waiting import eventually
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _libc = ctypes.CDLL(None, use_errno=True)  # resolved before any fork: the child must not load libraries
@@ -39,7 +40,7 @@ class Process:
         return {"name": self.name, "pid": self.pid, "start_ticks": self.start_ticks, "log": str(self.log)}
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> Process:
+    def from_json(cls, data: dict[str, Any]) -> Process:
         return cls(str(data["name"]), int(data["pid"]), int(data["start_ticks"]), Path(str(data["log"])))
 
     def alive(self) -> bool:

@@ -1,6 +1,9 @@
-"""Request builders and reference computations shared by the server tests."""
+"""Talking to a target server under test: seeded token batches, requests, the in-process reference its
+answers must equal, and checks on its HTTP answers. Shared by the server, client and operator tests."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import httpx
 import torch
@@ -9,19 +12,28 @@ from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners import TargetRunner
 from eagle3_target.wire import tensors as tensor_wire
+from prometheus_client.parser import text_string_to_metric_families
 from torch import Tensor
 
 VOCAB = 256
 
 
-def token_batch(batch: int, seq: int, seed: int, pad_last: int = 0) -> tuple[Tensor, Tensor]:
-    """Random ids and a right-padded attention mask (the last row loses ``pad_last`` tokens)."""
+class TokenBatch(NamedTuple):
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+
+
+def token_batch(seed: int, batch: int = 2, seq: int = 16, pad_last: int = 0) -> TokenBatch:
+    """Seeded random ids, a right-padded attention mask (the last row loses `pad_last` tokens) and a random
+    loss mask inside it."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.int64)
+    input_ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    attention_mask = torch.ones(batch, seq, dtype=torch.int64)
     if pad_last:
-        mask[-1, seq - pad_last :] = 0
-    return ids, mask
+        attention_mask[-1, seq - pad_last :] = 0
+    loss_mask = torch.randint(0, 2, (batch, seq), generator=g) * attention_mask
+    return TokenBatch(input_ids, attention_mask, loss_mask)
 
 
 def draft_mapping(draft_vocab: int, seed: int) -> VocabMapping:
@@ -75,3 +87,24 @@ def assert_error(response: httpx.Response, status: int, type_: str | None = None
     if type_ is not None:
         assert error["type"] == type_
     return error
+
+
+def assert_still_serving(url: str) -> None:
+    """The server answers a plain supervision request after whatever the test sent it."""
+    assert httpx.get(url + "/healthz").status_code == 200
+    ids, mask, _ = token_batch(seed=0, batch=1, seq=8)
+    ok = httpx.post(
+        url + "/v1/supervision", content=tensor_wire.encode({"input_ids": ids, "attention_mask": mask})
+    )
+    assert ok.status_code == 200
+    assert set(tensor_wire.decode(ok.content)[0]) == {"aux_hidden_states", "final_hidden"}
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, keyed by name and sorted labels."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

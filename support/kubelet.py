@@ -1,0 +1,246 @@
+"""A kubelet for the test node that runs each pod's server container as a real process, so the operator's
+view of starting, crashing and restarting servers comes from real exits."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+from eagle3_operator.constants import SERVER_CONTAINER
+
+from support.cluster import nodes, plane
+from support.cluster.processes import kill_when_parent_dies, terminate
+from support.server_process import serve_command, status_code
+
+# The kubelet's limits on a termination message read from the log (FallbackToLogsOnError): the last 80 lines,
+# at most 2 KiB (kubelet's kuberuntime: maxContainerTerminationMessageLogLines and ...LogLength).
+FALLBACK_LOG_LINES = 80
+FALLBACK_LOG_BYTES = 2048
+DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+
+
+@dataclass
+class _Container:
+    """One pod's server container as the kubelet tracks it."""
+
+    pod: str
+    uid: str
+    ip: str
+    spec: dict[str, Any]
+    host_paths: dict[str, str]  # mountPath -> directory on this machine
+    restarts: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    started_at: str = ""
+    ready: bool = False
+    last_terminated: dict[str, Any] | None = None
+    restart_at: float | None = None  # while backing off: when the next start is due
+    logs: list[Path] = field(default_factory=list)
+
+
+class Kubelet:
+    """Plays the kubelet for the pods bound to the test node KUBELET_NODE in one namespace.
+
+    Each pod's server container runs as a real process with the pod's own command, listening at an IP the
+    kubelet gives the pod from the node's podCIDR. Its state goes to the API server as a kubelet reports it:
+    running and not ready until /readyz answers 200 (the readiness probe), and on exit the termination
+    (exit code, reason Error, the message from the termination log or, under FallbackToLogsOnError, the log
+    tail), restartCount and a waiting CrashLoopBackOff until a restart after exponential back-off. The
+    kubelet mounts a file at terminationMessagePath; here the server is told where that file is instead
+    (EAGLE3_TARGET_TERMINATION_LOG), and hostPath volumes are the same directories on this machine.
+    """
+
+    def __init__(
+        self, core: kubernetes.client.CoreV1Api, namespace: str, log_dir: Path, backoff_seconds: float = 1.0
+    ) -> None:
+        self.core = core
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.backoff_seconds = backoff_seconds
+        self.containers: dict[str, _Container] = {}
+        self.errors: list[BaseException] = []  # what broke its loop; close() raises the first
+        self._free_ips = [
+            str(ip) for ip in ipaddress.ip_network(nodes.gpu_node_pod_cidr(nodes.KUBELET_NODE_INDEX)).hosts()
+        ][1:]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for container in self.containers.values():
+            if container.process is not None:
+                terminate(container.process)
+        if self.errors:
+            raise AssertionError("the test kubelet failed") from self.errors[0]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self._round()
+            except Exception as error:  # surfaced by close(); a kubelet keeps going
+                self.errors.append(error)
+
+    def _round(self) -> None:
+        selector = f"spec.nodeName={nodes.KUBELET_NODE}"
+        pods = self.core.list_namespaced_pod(self.namespace, field_selector=selector).items
+        live = {
+            pod.metadata.name: pod
+            for pod in pods
+            if pod.metadata and pod.metadata.name and pod.metadata.deletion_timestamp is None
+        }
+        for name in [name for name in self.containers if name not in live]:
+            self._remove(name)
+        for name, pod in live.items():
+            if name not in self.containers:
+                self._admit(pod)
+            self._sync(self.containers[name])
+
+    def _admit(self, pod: kubernetes.client.V1Pod) -> None:
+        raw = self.core.api_client.sanitize_for_serialization(pod)
+        [spec] = [c for c in raw["spec"]["containers"] if c["name"] == SERVER_CONTAINER]
+        volumes = {v["name"]: v for v in raw["spec"].get("volumes") or []}
+        host_paths = {
+            mount["mountPath"]: str(
+                Path(volumes[mount["name"]]["hostPath"]["path"]) / mount.get("subPath", "")
+            )
+            for mount in spec.get("volumeMounts") or []
+            if "hostPath" in volumes.get(mount["name"], {})
+        }
+        meta = pod.metadata
+        assert meta and meta.name and meta.uid, "the API server returns pods whole"
+        container = _Container(meta.name, meta.uid, self._free_ips.pop(0), spec, host_paths)
+        self.containers[container.pod] = container
+        self._start(container)
+
+    def _start(self, container: _Container) -> None:
+        termination = self.log_dir / f"{container.pod}.termination-log"
+        termination.write_text("")  # the kubelet gives every container run an empty file
+        log = self.log_dir / f"{container.pod}-{container.restarts}.log"
+        container.logs.append(log)
+        argv = [*container.spec.get("command", []), *container.spec.get("args", [])]
+        argv = [self._host_arg(container, arg) for arg in argv]
+        if argv[0] == "eagle3-target":
+            argv[:1] = serve_command()
+        env = {e["name"]: e["value"] for e in container.spec.get("env") or [] if "value" in e}
+        env |= {"CUDA_VISIBLE_DEVICES": "", "EAGLE3_TARGET_TERMINATION_LOG": str(termination)}
+        with log.open("wb") as out:
+            container.process = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                preexec_fn=kill_when_parent_dies,
+            )
+        container.started_at = _now()
+        container.ready = False
+        container.restart_at = None
+        self._report(container, {"running": {"startedAt": container.started_at}})
+
+    def _host_arg(self, container: _Container, arg: str) -> str:
+        """The pod's view of an argument on this machine: its IP for 0.0.0.0, host paths for mounts."""
+        if arg == "0.0.0.0":
+            return container.ip
+        for mount, host in container.host_paths.items():
+            if arg == mount or arg.startswith(mount + "/"):
+                return host + arg[len(mount) :]
+        return arg
+
+    def _sync(self, container: _Container) -> None:
+        process = container.process
+        if container.restart_at is not None:
+            if time.monotonic() >= container.restart_at:
+                container.restarts += 1
+                self._start(container)
+            return
+        assert process is not None
+        code = process.poll()
+        if code is not None:
+            self._terminated(container, code)
+            return
+        port = self._port(container)
+        ready = status_code(f"http://{container.ip}:{port}/readyz") == 200
+        if ready != container.ready:
+            container.ready = ready
+            self._report(container, {"running": {"startedAt": container.started_at}})
+
+    def _terminated(self, container: _Container, code: int) -> None:
+        message = (self.log_dir / f"{container.pod}.termination-log").read_text()
+        policy = container.spec.get("terminationMessagePolicy", "File")
+        if not message and code != 0 and policy == "FallbackToLogsOnError":
+            tail = container.logs[-1].read_bytes().splitlines()[-FALLBACK_LOG_LINES:]
+            message = b"\n".join(tail)[-FALLBACK_LOG_BYTES:].decode(errors="replace")
+        container.last_terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "message": message,
+            "startedAt": container.started_at,
+            "finishedAt": _now(),
+            "containerID": f"harness://{container.process.pid if container.process else 0}",
+        }
+        container.ready = False
+        delay = self.backoff_seconds * 2 ** min(container.restarts, 8)
+        container.restart_at = time.monotonic() + delay
+        back_off = f"back-off {delay:g}s restarting failed container={SERVER_CONTAINER} pod={container.pod}"
+        self._report(container, {"waiting": {"reason": "CrashLoopBackOff", "message": back_off}})
+
+    def _report(self, container: _Container, state: dict[str, Any]) -> None:
+        ready = "True" if container.ready else "False"
+        status = {
+            "phase": "Running",
+            "podIP": container.ip,
+            "podIPs": [{"ip": container.ip}],
+            "hostIP": plane.NODE_IP,
+            "startTime": container.started_at if container.restarts == 0 else None,
+            "conditions": [
+                {"type": kind, "status": ready, "lastTransitionTime": _now()}
+                for kind in ("Ready", "ContainersReady")
+            ]
+            + [{"type": "Initialized", "status": "True", "lastTransitionTime": _now()}],
+            "containerStatuses": [
+                {
+                    "name": SERVER_CONTAINER,
+                    "image": container.spec["image"],
+                    "imageID": "",
+                    "ready": container.ready,
+                    "started": "running" in state,
+                    "restartCount": container.restarts,
+                    "state": state,
+                    "lastState": {"terminated": container.last_terminated}
+                    if container.last_terminated
+                    else {},
+                }
+            ],
+        }
+        if status["startTime"] is None:
+            del status["startTime"]
+        try:
+            self.core.patch_namespaced_pod_status(
+                container.pod,
+                self.namespace,
+                {"status": status},
+                _content_type="application/strategic-merge-patch+json",  # conditions merge by type
+            )
+        except kubernetes.client.ApiException as error:
+            if error.status != 404:  # deleted meanwhile: the next round removes it
+                raise
+
+    def _port(self, container: _Container) -> int:
+        return next(p["containerPort"] for p in container.spec.get("ports") or [])
+
+    def _remove(self, name: str) -> None:
+        container = self.containers.pop(name)
+        if container.process is not None:
+            terminate(container.process)
+        self._free_ips.append(container.ip)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
