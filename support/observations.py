@@ -35,7 +35,7 @@ def make_spec(**overrides: Any) -> Eagle3TargetSpec:
 
 
 def make_pod(name: str, ip: str | None = "127.1.0.5", **overrides: Any) -> PodView:
-    fields = {
+    fields: dict[str, Any] = {
         "name": name,
         "ip": ip,
         "node": "gpu-0",
@@ -49,7 +49,7 @@ def make_pod(name: str, ip: str | None = "127.1.0.5", **overrides: Any) -> PodVi
 
 
 def make_deployment(**overrides: Any) -> DeploymentView:
-    fields = {
+    fields: dict[str, Any] = {
         "generation": 1,
         "observed_generation": 1,
         "desired": 2,
@@ -63,7 +63,7 @@ def make_deployment(**overrides: Any) -> DeploymentView:
 
 def observe(spec: Eagle3TargetSpec | None = None, **overrides: Any) -> Observation:
     pods = (make_pod("t-a", "127.1.0.5"), make_pod("t-b", "127.1.0.6"))
-    fields = {
+    fields: dict[str, Any] = {
         "generation": 3,
         "spec": spec or make_spec(),
         "url": "http://t.ns.svc:18000",
@@ -73,7 +73,3 @@ def observe(spec: Eagle3TargetSpec | None = None, **overrides: Any) -> Observati
         "probes": {pod.name: ProbeResult(ready=True, info=INFO) for pod in pods},
     }
     return Observation(**(fields | overrides))
-
-
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next(c for c in status["conditions"] if c["type"] == kind)

@@ -7,7 +7,8 @@ from eagle3_operator.status.conditions import transitions
 from eagle3_operator.status.document import compute_status, status_patch
 from eagle3_operator.status.observation import Failure, ProbeResult
 
-from support.observations import INFO, T0, condition, make_deployment, make_pod, make_spec, observe
+from support.observations import INFO, T0, make_deployment, make_pod, make_spec, observe
+from support.targets import condition
 
 
 def test_transition_times_move_only_on_status_change():

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from support.crd import crd_manifest
-from support.observations import INFO, T0, condition, make_deployment, make_pod, make_spec, observe
+from support.observations import INFO, T0, make_deployment, make_pod, make_spec, observe
+from support.targets import condition
 
 
 def test_last_failure_time_is_kept_for_the_same_reason_and_after_recovery():

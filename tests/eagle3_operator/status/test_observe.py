@@ -10,7 +10,8 @@ from eagle3_operator.status.observation import Failure, JobView, PodView
 from eagle3_operator.status.observe import deployment_view, describe_progress, hydration_state, pod_view
 from eagle3_target.protocol import HydrationProgress
 
-from support.observations import T0, condition, make_pod, observe
+from support.observations import T0, make_pod, observe
+from support.targets import condition
 
 
 def test_pod_view_reads_failures_from_the_pod():

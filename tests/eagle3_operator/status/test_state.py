@@ -6,7 +6,8 @@ from datetime import timedelta
 from eagle3_operator.status.document import compute_status
 from eagle3_operator.status.observation import Failure, Observation, ProbeResult
 
-from support.observations import INFO, T0, condition, make_deployment, make_pod, make_spec, observe
+from support.observations import INFO, T0, make_deployment, make_pod, make_spec, observe
+from support.targets import condition
 
 
 def test_all_replicas_serving_is_ready_with_endpoints_and_model():
