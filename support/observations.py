@@ -1,5 +1,5 @@
-"""Observations of a target built in code, and a reader for the status computed from them: the vocabulary
-of the status tests, which need no cluster. Every builder takes overrides for the fields a test varies."""
+"""Observations of a target built in code: the vocabulary of the status tests, which need no cluster.
+Every builder takes overrides for the fields a test varies."""
 
 from datetime import UTC, datetime
 from typing import Any
