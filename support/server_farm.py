@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import kubernetes
 import uvicorn
 
@@ -58,6 +59,11 @@ class ServerFarm:
         if (host, port) not in self._servers:
             self._serve(host, port, lifespan="off")
         return f"http://{host}:{port}"
+
+    def info(self) -> dict[str, Any]:
+        """The server's /v1/info, read at the primary socket (what probes and clients compare with)."""
+        response = httpx.get(f"http://{self.primary[0]}:{self.primary[1]}/v1/info", timeout=5)
+        return dict(response.json())
 
     def unbind(self, host: str, port: int) -> None:
         entry = self._servers.pop((host, port), None)

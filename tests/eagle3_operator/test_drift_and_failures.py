@@ -1,0 +1,98 @@
+"""The operator keeps what it owns as it renders it and reports what it cannot do: drift repaired, a foreign
+status write undone, an unschedulable target and a child the API server refuses reported in status.
+
+One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+"""
+
+from __future__ import annotations
+
+import pytest
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
+
+from support.cluster.waiting import eventually, free_port
+from support.targets import Targets, condition, target_manifest
+
+pytestmark = pytest.mark.usefixtures("operator")
+
+
+def test_drift_is_repaired(targets: Targets):
+    targets.create(target_manifest("drift", free_port()))
+    deployment = eventually(lambda: targets.deployment("drift"), "the Deployment")
+    service = eventually(lambda: targets.service("drift"), "the Service")
+
+    targets.core.delete_namespaced_service("drift", targets.namespace)
+    recreated = eventually(
+        lambda: (s := targets.service("drift")) is not None and s.metadata.uid != service.metadata.uid and s,
+        "the deleted Service to come back",
+    )
+    assert recreated.spec.ports[0].name == "http"
+
+    targets.apps.patch_namespaced_deployment(
+        "drift",
+        targets.namespace,
+        {
+            "spec": {
+                "replicas": 3,
+                "template": {"spec": {"containers": [{"name": "server", "image": "evil:1"}]}},
+            }
+        },
+    )
+    repaired = eventually(
+        lambda: (
+            (d := targets.deployment("drift")).spec.replicas == 1
+            and d.spec.template.spec.containers[0].image != "evil:1"
+            and d
+        ),
+        "the edited Deployment to be repaired",
+    )
+    assert repaired.metadata.uid == deployment.metadata.uid  # repaired in place, not recreated
+
+
+def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: Targets):
+    """The status is the operator's report of what it observes: a foreign write to it is undone."""
+    targets.create(target_manifest("told", free_port()))
+
+    def settled() -> dict | None:  # the pod is Ready but nothing answers at its IP: a stable failure
+        status = (targets.get("told") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "EndpointUnreachable" else None
+
+    honest = eventually(settled, "the unserved target reported EndpointUnreachable")
+    targets.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, targets.namespace, PLURAL, "told", {"status": {"phase": "Ready", "url": "http://x"}}
+    )
+    restored = eventually(
+        lambda: (s := settled()) is not None and s.get("url") == honest["url"] and s,
+        "the foreign status write undone",
+    )
+    assert restored["phase"] == honest["phase"] == "Failed"
+
+
+def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
+    targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
+
+    def unschedulable() -> dict | None:
+        status = (targets.get("huge") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
+
+    status = eventually(unschedulable, "Unschedulable in the Ready condition")
+    assert condition(status, "Degraded")["status"] == "True"
+    assert status["lastFailure"]["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu" in status["lastFailure"]["message"]
+    assert status["phase"] == "Failed"
+    warnings = eventually(
+        lambda: [e for e in targets.events("huge") if e.type == "Warning"], "a Warning event"
+    )
+    assert any(e.reason == "Unschedulable" for e in warnings)
+
+
+def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: Targets):
+    """A spec the CRD accepts but whose Deployment the API server refuses (an invalid label key)."""
+    targets.create(target_manifest("odd", free_port(), nodeSelector={"not a label key!": "x"}))
+
+    def rejected() -> dict | None:
+        status = (targets.get("odd") or {}).get("status") or {}
+        return status if condition(status, "Ready").get("reason") == "InvalidSpec" else None
+
+    status = eventually(rejected, "the rejection reported in status")
+    assert "rejected" in status["lastFailure"]["message"] and status["phase"] == "Failed"
+    assert targets.deployment("odd") is None
