@@ -9,8 +9,8 @@ Each check prints one JSON line: `{"check": NAME, "pass": true|false, ...figures
 when every check passed. A comparison runs the same seeded, ragged random batch through both engines and
 scores the top-1 agreement of the logits and the cosine similarity of each aux layer: the two engines use
 different kernels (vLLM fuses the residual add), so bf16 results are close but not identical, while a wrong
-layer, a wrong order or a wrong logits rebuild scores far lower. The suite's checks are the ones of
-research/review-vllm-runner.md (section c) that one GPU can run; docs/vllm.md says what each one proves.
+layer, a wrong order or a wrong logits rebuild scores far lower. The suite's checks are the ones a single
+GPU can run; docs/vllm.md says what each one proves.
 """
 
 from __future__ import annotations
@@ -136,6 +136,25 @@ class Suite:
         finally:
             runner.close()
 
+    @contextlib.contextmanager
+    def plain_vllm(self, **engine_args: object) -> Iterator[Any]:
+        """vLLM without the capture (no speculative method, no connector), the reference of C6 and of the
+        throughput check, with the suite's gpu_memory_utilization."""
+        from vllm import LLM
+
+        plain = LLM(
+            str(self.model),
+            dtype=self.dtype,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=False,
+            gpu_memory_utilization=float(self.engine_args.get("gpu_memory_utilization", 0.45)),
+            **engine_args,
+        )
+        try:
+            yield plain
+        finally:
+            plain.llm_engine.engine_core.shutdown()
+
     def compare(self, runner: VLLMRunner, input_ids: Tensor, mask: Tensor) -> dict[str, Any]:
         """The vLLM runner's supervision against the HF engine's on one batch (the C1-C5 thresholds)."""
         hf = self.hf()
@@ -165,7 +184,7 @@ def num_layers(suite: Suite) -> int:
     return int(suite.hf().model.config.num_hidden_layers)
 
 
-# ---- the checks (research/review-vllm-runner.md, section c) -----------------------------------------------
+# ---- the checks (docs/vllm.md, "Acceptance suite") --------------------------------------------------------
 
 
 def check_chunked_prefill(suite: Suite) -> dict[str, Any]:
@@ -220,24 +239,14 @@ def check_length_boundary(suite: Suite) -> dict[str, Any]:
 def check_logit_values(suite: Suite) -> dict[str, Any]:
     """C6: the rebuilt logits equal vLLM's own raw logits at every prompt position (not only the argmax),
     compared at vLLM's top-20 ids of each position from a plain engine's prompt logprobs."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     input_ids, _ = suite.batch(vocab(suite), 4, max(8, suite.seq_len // 4))
     with suite.vllm() as runner:
         rebuilt, _ = runner.forward_eagle3(input_ids)
-    plain = LLM(
-        str(suite.model),
-        dtype=suite.dtype,
-        logprobs_mode="raw_logits",
-        skip_tokenizer_init=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=float(suite.engine_args.get("gpu_memory_utilization", 0.45)),
-    )
-    try:
+    with suite.plain_vllm(logprobs_mode="raw_logits") as plain:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprobs=20)
         outputs = plain.generate([{"prompt_token_ids": row} for row in input_ids.tolist()], params)
-    finally:
-        plain.llm_engine.engine_core.shutdown()
     ours, theirs = [], []
     for row, out in enumerate(outputs):
         # prompt_logprobs[i] scores token i from positions < i: the logits of position i - 1.
@@ -301,8 +310,8 @@ def check_cuda_in_parent(suite: Suite) -> dict[str, Any]:
     code = (
         "import torch, transformers\n"
         "from eagle3_target.runners.base import text_config\n"
-        "from eagle3_target.runners.vllm import refuse_in_process_engine, refuse_unsupported_model, "
-        "require_eagle3_support\n"
+        "from eagle3_target.runners.vllm_refusals import refuse_in_process_engine, "
+        "refuse_unsupported_model, require_eagle3_support\n"
         f"config = transformers.AutoConfig.from_pretrained({str(suite.model)!r})\n"
         "refuse_in_process_engine()\n"
         f"refuse_unsupported_model({str(suite.model)!r}, text_config(config))\n"
@@ -317,7 +326,7 @@ def check_cuda_in_parent(suite: Suite) -> dict[str, Any]:
 def check_throughput(suite: Suite) -> dict[str, Any]:
     """Prefill tokens/s of vLLM with the capture (files written, read, states rebuilt) and without it
     (a plain engine, max_tokens=1); the goal is extraction within 10% of plain prefill."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     suite.drop_hf()
     gen = torch.Generator().manual_seed(suite.seed)
@@ -325,19 +334,10 @@ def check_throughput(suite: Suite) -> dict[str, Any]:
     tokens = 16 * suite.seq_len
     with suite.vllm() as runner:
         _, extracting = timed(lambda: runner.forward_hidden(torch.tensor(prompts)), suite.repeats)
-    plain = LLM(
-        str(suite.model),
-        dtype=suite.dtype,
-        skip_tokenizer_init=True,
-        enable_prefix_caching=False,
-        gpu_memory_utilization=float(suite.engine_args.get("gpu_memory_utilization", 0.45)),
-    )
-    try:
+    with suite.plain_vllm() as plain:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         requests = [{"prompt_token_ids": p} for p in prompts]
         _, baseline = timed(lambda: plain.generate(requests, params, use_tqdm=False), suite.repeats)
-    finally:
-        plain.llm_engine.engine_core.shutdown()
     ratio = baseline / extracting
     return {
         "pass": ratio >= 0.9,

@@ -1,4 +1,5 @@
-"""Session-wide test setup: tiny random-weight models written once (no hub access), the local control plane
+"""Session-wide test setup: tiny random-weight models written once (no hub access), the vLLM stand-in and a
+capture directory for the tests of the vLLM runner and of the stand-in itself, the local control plane
 (started once, only if a test asks for it) with the Eagle3Target CRD, a fresh namespace per test, and a
 guard that fails any run in which a test was skipped: CI is green only when every test ran and passed."""
 
@@ -9,11 +10,13 @@ import re
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import kubernetes
 import pytest
 from eagle3_target.tiny import write_tiny_model
 
+from support import fake_vllm as stand_in
 from support.cluster import plane
 from support.cluster.access import Cluster
 from support.cluster.processes import log_tail
@@ -65,6 +68,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-style, tied embeddings, 8 layers, hidden 64, vocab 256, fp32, one safetensors file."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """`vllm` is the stand-in for the duration of the test (the runner imports it lazily)."""
+    stand_in.install(monkeypatch)
+    return stand_in
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Path:
+    """Stands in for /dev/shm: the runner's capture files must all be gone after each call."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """vLLM engine arguments: which `--engine-arg KEY=VALUE` the runner passes to `vllm.LLM`, and in what type.
 
-The keys are `vllm.EngineArgs` fields of vLLM 0.33.0 (vllm/engine/arg_utils.py); each comes with the parser
-that turns its CLI string into the type vLLM expects, so a typo or a malformed value fails at startup.
+The keys are fields of vLLM 0.33.0's `vllm.EngineArgs`; each comes with the parser that turns its CLI string
+into the type vLLM expects, so a typo or a malformed value fails at startup.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
-# vllm.EngineArgs fields (vllm/engine/arg_utils.py, 0.33.0) accepted through `--engine-arg KEY=VALUE`,
+# vLLM 0.33.0's `vllm.EngineArgs` fields accepted through `--engine-arg KEY=VALUE`,
 # each with the parser that turns the CLI string into the type vLLM expects.
 ENGINE_ARG_PARSERS: dict[str, Callable[[str], Any]] = {
     "gpu_memory_utilization": parse_fraction,

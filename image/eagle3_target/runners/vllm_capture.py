@@ -39,9 +39,9 @@ def capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int
 def file_positions(capture_ids: Sequence[int]) -> list[int]:
     """Index of each capture id in vLLM's file when the engine was given the ids ascending.
 
-    Native model classes store the ids sorted (`EagleModelMixin._set_aux_hidden_state_layers`,
-    vllm/model_executor/models/interfaces.py); the Transformers backend keeps the order it is given
-    (`TransformersBase.set_aux_hidden_state_layers`). The runner sends them sorted, so both write ascending.
+    Native model classes store the ids sorted (vLLM 0.33's `EagleModelMixin._set_aux_hidden_state_layers`);
+    the Transformers backend keeps the order it is given (`TransformersBase.set_aux_hidden_state_layers`).
+    The runner sends them sorted, so both write ascending.
     """
     ascending = sorted(capture_ids)
     return [ascending.index(i) for i in capture_ids]

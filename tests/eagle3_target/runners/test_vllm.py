@@ -1,4 +1,5 @@
-"""The vLLM runner against a stand-in `vllm` (support/fake_vllm.py) fed by real forwards.
+"""The vLLM runner (runners/vllm.py) against a stand-in `vllm` (support/fake_vllm) fed by real forwards:
+its supervision, weights and engine configuration, and its startup check of the logits rebuild.
 
 The reference is the HF runner on the same checkpoint. Tolerance: the models are fp32 and the rebuild
 applies the same RMSNorm and LM head formulas as transformers, so the only difference is matmul rounding:
@@ -9,62 +10,28 @@ shapes accumulate in a different order. That measured at most 4e-6 here; we allo
 from __future__ import annotations
 
 import inspect
-import json
-import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 from eagle3_target.runners import ModelRefused, TargetRunner, check_engine_args, load_runner, model_info
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import VLLMRunner
-from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, RUNNER_OPTIONS, RUNNER_OWNED_ARGS
+from eagle3_target.runners.vllm_args import RUNNER_OPTIONS
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
 
-from support import fake_vllm as stand_in
+from support.vllm_runner import open_runner, ragged_batch
 
 ATOL = 1e-5
 HIDDEN = 64
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch) -> ModuleType:
-    """`vllm` is the stand-in for the duration of the test (the runner imports it lazily)."""
-    stand_in.install(monkeypatch)
-    return stand_in
-
-
-@pytest.fixture
-def shm(tmp_path) -> Path:
-    """Stands in for /dev/shm: the runner's capture files must all be gone after each call."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    return path
-
-
-def ragged_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Three right-padded rows of lengths 11, 7 and 3 (padding ids are arbitrary, masked out)."""
-    gen = torch.Generator().manual_seed(7)
-    input_ids = torch.randint(0, vocab_size, (3, 11), generator=gen)
-    lengths = torch.tensor([11, 7, 3])
-    mask = (torch.arange(11)[None, :] < lengths[:, None]).long()
-    return input_ids, mask
-
-
-def open_runner(model_dir: Path, shm: Path, **kwargs) -> VLLMRunner:
-    return VLLMRunner.from_pretrained(
-        model_dir, dtype="float32", device="cpu", hidden_states_dir=shm, **kwargs
-    )
 
 
 @pytest.mark.parametrize("model_impl", ["auto", "transformers"])
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
 def test_matches_hf_runner_on_ragged_batch(model_dir, model_impl, request, fake_vllm, shm):
     """On both of vLLM's backends: native classes write the layers ascending, the Transformers backend in
-    the order it was given (review B1), so aux ids that are not ascending must still come back in order."""
+    the order it was given, so aux ids that are not ascending must still come back in order."""
     path = request.getfixturevalue(model_dir)
     aux = [5, 0, 3]
     hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=aux)
@@ -147,7 +114,7 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
-            # Sorted, so the file order is ascending on every backend (review B1).
+            # Sorted, so the file order is ascending on every backend.
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 7, 8]}},
         },
         "kv_transfer_config": {
@@ -217,76 +184,6 @@ def test_set_aux_layers_restarts_engine_only_on_change(tiny_llama_dir, fake_vllm
     runner.close()
 
 
-def test_last_decoder_layer_is_refused(tiny_llama_dir, fake_vllm, shm):
-    with pytest.raises(ValueError, match=r"aux layer id 7 .*final pre-norm"):
-        open_runner(tiny_llama_dir, shm, aux_layer_ids=[1, 3, 7])
-    assert fake_vllm.LLM.created == []
-    assert list(shm.iterdir()) == [], "a failed start must not leave its capture directory behind"
-
-
-def test_model_without_eagle3_interface_is_refused_before_engine_start(
-    tiny_llama_dir, fake_vllm, shm, tmp_path
-):
-    model_dir = tmp_path / "gemma3-like"
-    shutil.copytree(tiny_llama_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["architectures"] = ["Gemma3ForCausalLM"]
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"does not implement the EAGLE-3 interface"):
-        open_runner(model_dir, shm)
-    assert fake_vllm.LLM.created == []
-
-
-def zero_layer(states, token_ids):
-    states = states.clone()
-    states[:, 1] = 0
-    return states, token_ids
-
-
-def nan_value(states, token_ids):
-    states = states.clone()
-    states[2, 0, 5] = float("nan")
-    return states, token_ids
-
-
-def drop_last_position(states, token_ids):
-    return states[:-1], token_ids[:-1]
-
-
-def other_tokens(states, token_ids):
-    return states, (token_ids + 1) % 256
-
-
-@pytest.mark.parametrize(
-    ("fault", "message"),
-    [
-        (zero_layer, r"all-zero hidden states at file slot\(s\) \[1\]"),
-        (nan_value, r"non-finite"),
-        (drop_last_position, r"captured 10 positions .* for a 11-token prompt"),
-        (other_tokens, r"token_ids differ from the prompt"),
-    ],
-)
-def test_bad_captures_are_refused_and_files_removed(
-    tiny_llama_dir, fake_vllm, shm, monkeypatch, fault, message
-):
-    runner = open_runner(tiny_llama_dir, shm)
-    # One slow writer thread: rows 1-2 are still being written when row 0 fails; their files must be
-    # deleted after the writes end, or they reappear.
-    llm = fake_vllm.LLM.created[-1]
-    llm.writer = ThreadPoolExecutor(max_workers=1)
-    monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(fault))
-    input_ids, mask = ragged_batch(256)
-    with pytest.raises(RuntimeError, match=message):
-        runner.forward_eagle3(input_ids, mask)
-    assert not any(runner.hidden_states_dir.iterdir()), "every row's file must be removed after a failure"
-    # The engine keeps serving once the fault is gone.
-    monkeypatch.setattr(fake_vllm.LLM, "capture_fault", None)
-    _, aux_states = runner.forward_eagle3(input_ids, mask)
-    assert torch.isfinite(aux_states).all()
-    assert not any(runner.hidden_states_dir.iterdir()), "no write of the failed call may land afterwards"
-    runner.close()
-
-
 def test_rows_longer_than_max_model_len_minus_one_are_refused(tiny_llama_dir, fake_vllm, shm):
     runner = open_runner(tiny_llama_dir, shm, max_model_len=16)
     assert runner.max_prompt_len == 15
@@ -295,6 +192,16 @@ def test_rows_longer_than_max_model_len_minus_one_are_refused(tiny_llama_dir, fa
     with pytest.raises(ValueError, match=r"a row has 16 tokens; the vLLM engine takes at most 15"):
         runner.forward_eagle3(torch.ones(2, 16, dtype=torch.long))
     runner.close()
+
+
+def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
+    runner = open_runner(tiny_llama_dir, shm)
+    with pytest.raises(ValueError, match="right-padded"):
+        runner.forward_eagle3(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]))
+    runner.close()
+
+
+# ---- the startup check: the rebuilt logits are vLLM's own ------------------------------------------------
 
 
 def test_startup_refuses_a_logits_rebuild_that_disagrees_with_vllm(
@@ -312,47 +219,8 @@ def test_startup_refuses_a_logits_rebuild_that_disagrees_with_vllm(
     assert list(shm.iterdir()) == []
 
 
-def test_left_padding_is_refused(tiny_llama_dir, fake_vllm, shm):
-    runner = open_runner(tiny_llama_dir, shm)
-    with pytest.raises(ValueError, match="right-padded"):
-        runner.forward_eagle3(torch.ones(1, 4, dtype=torch.long), torch.tensor([[0, 1, 1, 1]]))
-    runner.close()
-
-
-# ---- what a read of vLLM 0.33's source found (review-vllm-runner.md, B1-B5) ------------------------------
-
-
-def copy_model(source: Path, target: Path, **config_changes) -> Path:
-    """A copy of a tiny checkpoint with config.json changed (weights shared as they are)."""
-    shutil.copytree(source, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(config_changes)
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        ({"dim_model_base": 16}, r"config\.dim_model_base"),  # MiniCPM: lm_head(final_norm(h) / 4)
-        ({"output_multiplier": 0.5}, r"config\.output_multiplier"),  # MuseGlimmer
-        ({"kv_lora_rank": 16}, r"MLA attention"),
-        ({"model_type": "qwen3_next"}, r"\(1 \+ w\) RMSNorm"),
-    ],
-)
-def test_models_the_rebuild_cannot_reproduce_are_refused_before_engine_start(
-    tiny_llama_dir, fake_vllm, shm, tmp_path, changes, message
-):
-    model_dir = copy_model(tiny_llama_dir, tmp_path / "model", **changes)
-    with pytest.raises(ModelRefused, match=message) as refused:
-        open_runner(model_dir, shm)
-    assert "--engine hf" in str(refused.value)
-    assert fake_vllm.LLM.created == []
-    assert list(shm.iterdir()) == []
-
-
 def test_startup_refuses_a_logit_scale_that_keeps_the_argmax(tiny_llama_dir, fake_vllm, shm, monkeypatch):
-    """A scale the config does not name (B2) keeps every greedy token, so only logit values reveal it."""
+    """A scale the config does not name keeps every greedy token, so only logit values reveal it."""
     monkeypatch.setattr(fake_vllm.LLM, "logit_fault", staticmethod(lambda logits: logits * 3.0))
     with pytest.raises(
         ModelRefused, match=r"for 8 of 8 prompts.*vLLM's logits are 3\.000 times the rebuilt ones"
@@ -369,150 +237,3 @@ def test_startup_refuses_logits_that_differ_beyond_a_scale(tiny_llama_dir, fake_
     monkeypatch.setattr(fake_vllm.LLM, "logit_fault", staticmethod(lambda logits: logits + 2.0 * offset))
     with pytest.raises(ModelRefused, match=r"differ from vLLM's by up to"):
         open_runner(tiny_llama_dir, shm)
-
-
-def test_pipeline_parallelism_is_refused_before_engine_start(tiny_llama_dir, fake_vllm, shm):
-    with pytest.raises(ModelRefused, match=r"pipeline_parallel_size=2 .*last pipeline stage"):
-        open_runner(tiny_llama_dir, shm, pipeline_parallel_size=2)
-    assert fake_vllm.LLM.created == []
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("env", "engine_args"),
-    [
-        ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, {}),
-        ({}, {"distributed_executor_backend": "external_launcher"}),
-    ],
-)
-def test_in_process_engine_is_refused(tiny_llama_dir, fake_vllm, shm, monkeypatch, env, engine_args):
-    """In-process, the last batch's files are written only at the next engine step, which never comes:
-    reading them would block forever (B4)."""
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(ModelRefused, match=r"VLLM_ENABLE_V1_MULTIPROCESSING"):
-        open_runner(tiny_llama_dir, shm, **engine_args)
-    assert fake_vllm.LLM.created == []
-
-
-@pytest.mark.timeout(60)
-def test_a_write_that_never_ends_is_a_bounded_error_and_the_engine_keeps_serving(
-    tiny_llama_dir, fake_vllm, shm
-):
-    runner = open_runner(tiny_llama_dir, shm, capture_timeout_s="0.5")
-    llm = fake_vllm.LLM.created[-1]
-    llm.stall_write_rows = {1}
-    input_ids, mask = ragged_batch(256)
-    with pytest.raises(
-        RuntimeError, match=r"row 1: vLLM's connector did not finish writing .* within 0\.5 s"
-    ):
-        runner.forward_eagle3(input_ids, mask)
-    llm.stall_write_rows = set()
-    # The next batch is served while the stalled write is still pending.
-    _, aux_states = runner.forward_eagle3(input_ids, mask)
-    assert torch.isfinite(aux_states).all()
-    assert len(list(runner.hidden_states_dir.iterdir())) == 1, "only the stalled write's lock is left"
-    # When the write finally lands, the next batch removes its file and lock.
-    llm.release_stalled_writes()
-    runner.forward_eagle3(input_ids, mask)
-    assert not any(runner.hidden_states_dir.iterdir())
-    runner.close()
-
-
-@pytest.mark.parametrize(
-    ("fault", "message"),
-    [
-        # vLLM only logs a failed write (`_on_write_done`) and releases the lock: no file appears.
-        ("fail_write_rows", r"row 1: vLLM's connector wrote no capture file"),
-        # An aborted request comes back without a token, but its file is still written (B5).
-        ("abort_rows", r"row 1: vLLM returned no token \(finish reason: abort\)"),
-    ],
-)
-def test_a_failed_write_or_aborted_request_is_a_clear_error_and_leaks_no_files(
-    tiny_llama_dir, fake_vllm, shm, fault, message
-):
-    runner = open_runner(tiny_llama_dir, shm)
-    llm = fake_vllm.LLM.created[-1]
-    setattr(llm, fault, {1})
-    input_ids, mask = ragged_batch(256)
-    with pytest.raises(RuntimeError, match=message):
-        runner.forward_eagle3(input_ids, mask)
-    assert not any(runner.hidden_states_dir.iterdir()), "every row's file must be removed after a failure"
-    setattr(llm, fault, set())
-    _, aux_states = runner.forward_eagle3(input_ids, mask)
-    assert torch.isfinite(aux_states).all()
-    runner.close()
-
-
-def test_the_eagle3_check_leaves_cuda_uninitialised_in_this_process(tiny_llama_dir, fake_vllm, shm, tmp_path):
-    """Importing vLLM's model class may initialise CUDA, which makes vLLM spawn its workers; the runner
-    inspects the class in a child process, as vLLM's registry does, and still refuses unsupported ones."""
-    runner = open_runner(tiny_llama_dir, shm)
-    assert not fake_vllm.CUDA_STATE.initialized
-    runner.close()
-    gemma = copy_model(tiny_llama_dir, tmp_path / "gemma3-like", architectures=["Gemma3ForCausalLM"])
-    with pytest.raises(ModelRefused, match=r"does not implement the EAGLE-3 interface"):
-        open_runner(gemma, shm)
-    assert not fake_vllm.CUDA_STATE.initialized
-
-
-# ---- the stand-in is as strict as vLLM 0.33 ---------------------------------------------------------------
-
-
-def test_every_engine_argument_the_runner_passes_exists_in_vllm_0_33(fake_vllm):
-    assert set(ENGINE_ARG_PARSERS) <= fake_vllm.ENGINE_ARGS
-    assert set(RUNNER_OWNED_ARGS) <= fake_vllm.ENGINE_ARGS
-    assert {"skip_tokenizer_init", "max_logprobs"} <= fake_vllm.ENGINE_ARGS
-
-
-def stand_in_engine(model_dir: Path, shm: Path, capture_ids: list[int], **kwargs) -> object:
-    return stand_in.LLM(
-        str(model_dir),
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": capture_ids}},
-        },
-        kv_transfer_config={
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(shm)},
-        },
-        **kwargs,
-    )
-
-
-@pytest.mark.parametrize(
-    ("capture_ids", "kwargs", "error", "message"),
-    [
-        ([2, 4, 8], {"max_num_seq": 4}, TypeError, r"unexpected keyword argument 'max_num_seq'"),
-        ([2, 2, 8], {}, RuntimeError, r"Expected 3 auxiliary hidden states, got 2"),
-        (
-            [2, 2, 8],
-            {"model_impl": "transformers"},
-            RuntimeError,
-            r"Expected 3 auxiliary hidden states, got 2",
-        ),
-        ([], {}, ValueError, r"eagle_aux_hidden_state_layer_ids must be set"),
-        (
-            [2, 4, 8],
-            {"pipeline_parallel_size": 2},
-            RuntimeError,
-            r"Expected 1 CacheOnlyAttentionLayer, got 0",
-        ),
-    ],
-)
-def test_the_stand_in_fails_where_vllm_does(
-    tiny_llama_dir, fake_vllm, shm, capture_ids, kwargs, error, message
-):
-    with pytest.raises(error, match=message):
-        stand_in_engine(tiny_llama_dir, shm, capture_ids, **kwargs)
-
-
-def test_the_stand_in_writes_in_given_order_on_the_transformers_backend(tiny_llama_dir, fake_vllm, shm):
-    native = stand_in_engine(tiny_llama_dir, shm, [7, 2, 8])
-    transformers_backend = stand_in_engine(tiny_llama_dir, shm, [7, 2, 8], model_impl="transformers")
-    assert native.capture_layers == (2, 7, 8) and transformers_backend.capture_layers == (7, 2, 8)
-    params = fake_vllm.SamplingParams(max_tokens=1, temperature=0.0, logprobs=21)
-    with pytest.raises(ValueError, match=r"greater than max allowed: 20"):
-        native.generate([{"prompt_token_ids": [1, 2, 3]}], params)

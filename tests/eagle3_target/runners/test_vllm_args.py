@@ -1,10 +1,11 @@
-"""vLLM engine arguments: typed from CLI strings, unknown and runner-owned keys refused."""
+"""vLLM engine arguments: typed from CLI strings, unknown and runner-owned keys refused, every key one that
+vLLM 0.33 takes."""
 
 from __future__ import annotations
 
 import pytest
 from eagle3_target.runners import ModelRefused
-from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, vllm_engine_kwargs
+from eagle3_target.runners.vllm_args import ENGINE_ARG_PARSERS, RUNNER_OWNED_ARGS, vllm_engine_kwargs
 
 
 def test_engine_kwargs_are_typed():
@@ -47,9 +48,9 @@ def test_engine_kwargs_are_typed():
         ({"enforce_eager": "maybe"}, r"expected a boolean"),
         ({"compilation_config": "[1]"}, r"expected a JSON object"),
         ({"max-model-len": "1", "max_model_len": "2"}, r"given twice"),
-        # vLLM 0.33's hidden-states connector cannot run on a pipeline stage before the last (review B3).
+        # vLLM 0.33's hidden-states connector cannot run on a pipeline stage before the last.
         ({"pipeline_parallel_size": "2"}, r"pipeline_parallel_size=2 .*last pipeline stage"),
-        # This backend runs the engine in-process, which never writes the last batch's files (B4).
+        # This backend runs the engine in-process, which never writes the last batch's files.
         ({"distributed_executor_backend": "external_launcher"}, r"VLLM_ENABLE_V1_MULTIPROCESSING=0"),
     ],
 )
@@ -70,3 +71,9 @@ def test_every_engine_arg_has_a_parser_for_its_cli_string():
     samples |= {"parse_bool": "true", "parse_json_object": "{}"}
     for key, parser in ENGINE_ARG_PARSERS.items():
         assert vllm_engine_kwargs({key: samples[parser.__name__]})[key] == parser(samples[parser.__name__])
+
+
+def test_every_engine_argument_the_runner_passes_exists_in_vllm_0_33(fake_vllm):
+    assert set(ENGINE_ARG_PARSERS) <= fake_vllm.ENGINE_ARGS
+    assert set(RUNNER_OWNED_ARGS) <= fake_vllm.ENGINE_ARGS
+    assert {"skip_tokenizer_init", "max_logprobs"} <= fake_vllm.ENGINE_ARGS
