@@ -33,16 +33,16 @@ def with_model(source: dict[str, Any] | None = None, **fields: Any) -> dict[str,
 
 
 @pytest.fixture(scope="module")
-def targets(cluster, crd) -> kubernetes.dynamic.Resource:
+def target_api(cluster, crd) -> kubernetes.dynamic.Resource:
     """Eagle3Targets through the dynamic client, once the CRD is Established."""
     client = kubernetes.dynamic.DynamicClient(cluster.api_client)
     return client.resources.get(api_version=API_VERSION, kind=KIND)
 
 
-def rejection(targets: kubernetes.dynamic.Resource, namespace: str, body: dict[str, Any]) -> str:
+def rejection(target_api: kubernetes.dynamic.Resource, namespace: str, body: dict[str, Any]) -> str:
     """The API server's message for a create it refuses (dry run, so nothing is stored)."""
     with pytest.raises(kubernetes.dynamic.exceptions.DynamicApiError) as caught:
-        targets.create(body=body, namespace=namespace, dry_run="All")
+        target_api.create(body=body, namespace=namespace, dry_run="All")
     assert caught.value.status == 422, caught.value.body
     return json.loads(caught.value.body)["message"]
 
@@ -101,9 +101,9 @@ GOOD_SPECS = {
 
 
 @pytest.mark.parametrize("case", sorted(GOOD_SPECS))
-def test_good_targets_are_accepted_with_the_typed_specs_defaults(targets, namespace, case):
+def test_good_targets_are_accepted_with_the_typed_specs_defaults(target_api, namespace, case):
     spec = GOOD_SPECS[case]
-    stored = targets.create(body=target("good", spec), namespace=namespace, dry_run="All").to_dict()
+    stored = target_api.create(body=target("good", spec), namespace=namespace, dry_run="All").to_dict()
     # Defaults filled in by the API server are exactly the ones the typed spec assumes.
     assert Eagle3TargetSpec.parse(stored["spec"]) == Eagle3TargetSpec.parse(spec)
     if "endpoint" not in spec:
@@ -112,7 +112,7 @@ def test_good_targets_are_accepted_with_the_typed_specs_defaults(targets, namesp
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_examples_pass_a_server_side_dry_run(cluster, targets, namespace, path):
+def test_examples_pass_a_server_side_dry_run(cluster, target_api, namespace, path):
     result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
     assert "eagle3target.eagle3.dev/" in result.stdout
 
@@ -251,35 +251,35 @@ BAD_SPECS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SPECS))
-def test_bad_targets_are_rejected_readably(targets, namespace, case):
+def test_bad_targets_are_rejected_readably(target_api, namespace, case):
     spec, expected = BAD_SPECS[case]
-    assert expected in rejection(targets, namespace, target("bad", spec))
+    assert expected in rejection(target_api, namespace, target("bad", spec))
     with pytest.raises(InvalidSpec):  # the operator's own check agrees with the API server
         Eagle3TargetSpec.parse(spec)
 
 
-def test_unknown_fields_are_refused_by_kubectl(cluster, targets, namespace):
+def test_unknown_fields_are_refused_by_kubectl(cluster, target_api, namespace):
     body = yaml.safe_dump(target("typo", with_model(PVC, gpus=2)))
     result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=body, check=False)
     assert result.returncode != 0
     assert 'unknown field "spec.gpus"' in result.stderr
 
 
-def test_model_name_is_immutable(targets, namespace):
-    created = targets.create(body=target("frozen", with_model(PVC)), namespace=namespace).to_dict()
+def test_model_name_is_immutable(target_api, namespace):
+    created = target_api.create(body=target("frozen", with_model(PVC)), namespace=namespace).to_dict()
     changed = copy.deepcopy(created)
     changed["spec"]["model"]["name"] = "org/other"
     with pytest.raises(kubernetes.dynamic.exceptions.DynamicApiError) as caught:
-        targets.replace(body=changed, namespace=namespace)
+        target_api.replace(body=changed, namespace=namespace)
     assert "spec.model.name is immutable" in json.loads(caught.value.body)["message"]
     changed["spec"]["model"]["name"] = "org/tiny"
     changed["spec"]["replicas"] = 2  # everything else may change
-    assert targets.replace(body=changed, namespace=namespace).spec.replicas == 2
+    assert target_api.replace(body=changed, namespace=namespace).spec.replicas == 2
 
 
-def publish_status(targets, namespace: str, name: str, ready: str) -> None:
+def publish_status(target_api, namespace: str, name: str, ready: str) -> None:
     """Write a status as the operator would, through the status subresource."""
-    current = targets.get(name=name, namespace=namespace)
+    current = target_api.get(name=name, namespace=namespace)
     generation = current.metadata.generation
     status = {
         "observedGeneration": generation,
@@ -308,14 +308,14 @@ def publish_status(targets, namespace: str, name: str, ready: str) -> None:
         "readyDesired": "2/2" if ready == "True" else "0/2",
         "selector": label_selector(name),
     }
-    targets.status.patch(
+    target_api.status.patch(
         body={"status": status}, name=name, namespace=namespace, content_type="application/merge-patch+json"
     )
 
 
-def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
-    targets.create(body=target("served", with_model(PVC, replicas=2)), namespace=namespace)
-    publish_status(targets, namespace, "served", "False")
+def test_status_scale_printer_columns_and_wait(cluster, target_api, namespace):
+    target_api.create(body=target("served", with_model(PVC, replicas=2)), namespace=namespace)
+    publish_status(target_api, namespace, "served", "False")
 
     table = cluster.kubectl("get", "e3t", "served", "-n", namespace).stdout.splitlines()
     header = ["NAME", "READY", "REASON", "AVAILABLE", "READY/DESIRED", "ENGINE", "MODEL", "URL", "AGE"]
@@ -333,11 +333,11 @@ def test_status_scale_printer_columns_and_wait(cluster, targets, namespace):
     wide = cluster.kubectl("get", "e3t", "served", "-n", namespace, "-o", "wide").stdout
     assert "PHASE" in wide and "Loading" in wide
 
-    publish_status(targets, namespace, "served", "True")
+    publish_status(target_api, namespace, "served", "True")
     cluster.kubectl("wait", "--for=condition=Ready", "--timeout=10s", "-n", namespace, "e3t/served")
 
     cluster.kubectl("scale", "e3t/served", "--replicas=3", "-n", namespace)
-    assert targets.get(name="served", namespace=namespace).spec.replicas == 3
+    assert target_api.get(name="served", namespace=namespace).spec.replicas == 3
     scale = json.loads(cluster.kubectl("get", "--raw", scale_path(namespace, "served")).stdout)
     assert scale["status"]["selector"] == label_selector("served")
     assert scale["status"]["replicas"] == 2
@@ -347,15 +347,15 @@ def scale_path(namespace: str, name: str) -> str:
     return f"/apis/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}/scale"
 
 
-def test_status_is_written_only_through_its_subresource(targets, namespace):
-    created = targets.create(body=target("plain", with_model(PVC)), namespace=namespace).to_dict()
+def test_status_is_written_only_through_its_subresource(target_api, namespace):
+    created = target_api.create(body=target("plain", with_model(PVC)), namespace=namespace).to_dict()
     created["status"] = {"phase": "Ready"}
-    replaced = targets.replace(body=created, namespace=namespace)
+    replaced = target_api.replace(body=created, namespace=namespace)
     assert not (replaced.to_dict().get("status") or {})
 
 
-def test_short_name_and_category_list_targets(cluster, targets, namespace):
-    targets.create(body=target("listed", with_model(PVC)), namespace=namespace)
+def test_short_name_and_category_list_targets(cluster, target_api, namespace):
+    target_api.create(body=target("listed", with_model(PVC)), namespace=namespace)
     for kind in ("e3t", "eagle3", "eagle3targets.eagle3.dev"):
         names = cluster.kubectl("get", kind, "-n", namespace, "-o", "name").stdout.split()
         assert "eagle3target.eagle3.dev/listed" in names

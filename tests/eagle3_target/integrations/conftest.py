@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from eagle3_target.tiny import write_tiny_model
+from transformers import AutoModelForCausalLM
 
 from support.server_process import ServerProcess, start_server
 from support.trainer_rows import MAX_BATCH_TOKENS, MAX_MODEL_LEN, make_rows
@@ -20,6 +22,12 @@ def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(
         tmp_path_factory.mktemp("tiny-llama-bf16"), arch="llama", dtype="bfloat16", max_shard_size="50KB"
     )
+
+
+@pytest.fixture(scope="session")
+def plain_model(bf16_model_dir: Path) -> torch.nn.Module:
+    """The same checkpoint loaded by transformers alone, for the independent references."""
+    return AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ from eagle3_target.integrations.layouts import (
 from eagle3_target.integrations.rows import JsonlRows, Row, RowError
 from eagle3_target.runners.hf import HFRunner
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from support.cluster.waiting import free_port
@@ -44,11 +43,6 @@ def fail_cli(*args: str) -> str:
     result = CliRunner().invoke(app, ["export", *args, "--quiet"])
     assert result.exit_code == 1, result.output
     return result.output
-
-
-@pytest.fixture(scope="module")
-def plain_model(bf16_model_dir):
-    return AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.bfloat16).eval()
 
 
 def assert_same(got: dict, want: dict) -> None:

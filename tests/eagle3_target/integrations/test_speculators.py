@@ -27,7 +27,6 @@ from eagle3_target.client.target_client import TargetClient
 from eagle3_target.integrations.exporter import export
 from eagle3_target.integrations.layouts import SpeculatorsLayout
 from eagle3_target.integrations.rows import PreparedRows
-from transformers import AutoModelForCausalLM
 
 from support.trainer_rows import write_vllm_files
 
@@ -44,11 +43,6 @@ def thread_settings():
     torch.set_num_threads(threads)
     os.environ.clear()
     os.environ.update(environ)
-
-
-@pytest.fixture(scope="module")
-def plain_model(bf16_model_dir):
-    return AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="module")

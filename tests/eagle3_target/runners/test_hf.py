@@ -7,6 +7,8 @@ from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.runners.hf import HFRunner
 from transformers import AutoModelForCausalLM, GraniteConfig
 
+from support.supervision import token_batch
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -15,15 +17,11 @@ def model_dir(request):
     return request.getfixturevalue(request.param)
 
 
-def _ids(batch=2, seq=12, seed=0, vocab=256):
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_eagle3_equals_a_plain_forward_with_hidden_states(model_dir, dtype):
     runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu", aux_layer_ids=[6, 0, 3])
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    ids = _ids()
+    ids = token_batch(0, 2, 12).input_ids
     mask = torch.ones_like(ids)
     logits, aux = runner.forward_eagle3(ids, mask)
     with torch.no_grad():
@@ -38,7 +36,7 @@ def test_forward_eagle3_equals_a_plain_forward_with_hidden_states(model_dir, dty
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_hidden_gives_the_normed_final_state_that_the_lm_head_turns_into_the_logits(model_dir, dtype):
     runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu")
-    ids = _ids(seed=1)
+    ids = token_batch(1, 2, 12).input_ids
     logits, aux = runner.forward_eagle3(ids)
     final, aux_again = runner.forward_hidden(ids)
     assert final.shape == (2, 12, 64) and final.dtype == DTYPES[dtype]
@@ -54,7 +52,7 @@ def test_forward_hidden_gives_the_normed_final_state_that_the_lm_head_turns_into
 def test_forward_hidden_prenorm_is_the_last_decoder_layer_output_that_the_final_norm_takes(model_dir, dtype):
     runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu")
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    ids = _ids(seed=5)
+    ids = token_batch(5, 2, 12).input_ids
     seen = {}
     last_layer = reference.model.layers[-1]
     handle = last_layer.register_forward_hook(lambda _m, _i, out: seen.setdefault("h", out))
@@ -74,7 +72,7 @@ def test_forward_hidden_prenorm_is_the_last_decoder_layer_output_that_the_final_
 
 def test_forward_hidden_prenorm_with_the_last_layer_among_the_aux_layers(tiny_llama_dir):
     runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[7, 1, 3])
-    prenorm, aux = runner.forward_hidden(_ids(seed=6), prenorm=True)
+    prenorm, aux = runner.forward_hidden(token_batch(6, 2, 12).input_ids, prenorm=True)
     assert torch.equal(aux[..., :64], prenorm)
     assert aux.shape == (2, 12, 192)
 
@@ -82,7 +80,7 @@ def test_forward_hidden_prenorm_with_the_last_layer_among_the_aux_layers(tiny_ll
 def test_right_padding_leaves_the_real_positions_unchanged(model_dir):
     runner = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu")
     lengths = [12, 7, 3]
-    ids = _ids(batch=3, seed=2)
+    ids = token_batch(2, 3, 12).input_ids
     mask = (torch.arange(12)[None, :] < torch.tensor(lengths)[:, None]).long()
     padded_logits, padded_aux = runner.forward_eagle3(ids, mask)
     padded_final, _ = runner.forward_hidden(ids, mask)
@@ -97,7 +95,7 @@ def test_right_padding_leaves_the_real_positions_unchanged(model_dir):
 def test_default_aux_layers_and_set_aux_layers(tiny_llama_dir):
     runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
     assert runner.aux_layer_ids == [1, 3, 4]
-    ids = _ids(batch=1, seq=5)
+    ids = token_batch(0, 1, 5).input_ids
     _, default_aux = runner.forward_eagle3(ids)
     runner.set_aux_layers([4, 3, 1])
     _, reordered = runner.forward_eagle3(ids)
@@ -136,7 +134,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_dir, tmp_path):
     reference.save_pretrained(tmp_path)  # one file
     assert (tmp_path / "model.safetensors").is_file()
     single = HFRunner.from_pretrained(tmp_path, dtype="float32", device="cpu")
-    ids = _ids(batch=1, seq=6)
+    ids = token_batch(0, 1, 6).input_ids
     assert torch.equal(runner.forward_eagle3(ids)[0], single.forward_eagle3(ids)[0])
 
 
