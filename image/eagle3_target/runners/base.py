@@ -117,8 +117,8 @@ LOGIT_TRANSFORMS: dict[str, float | str | None] = {
     "final_logit_softcapping": None,  # Gemma 2: cap * tanh(logits / cap)
     "logit_scale": 1.0,  # Cohere, MPT: logits * scale
     "logits_scaling": 1.0,  # Granite: logits / scaling
-    "output_multiplier": 1.0,  # MuseGlimmer (vLLM muse_glimmer.py): logits * multiplier
-    "dim_model_base": "hidden_size",  # MiniCPM (vLLM minicpm.py): lm_head(final_norm(h) * base / hidden)
+    "output_multiplier": 1.0,  # MuseGlimmer (as vLLM computes it): logits * multiplier
+    "dim_model_base": "hidden_size",  # MiniCPM (as vLLM computes it): lm_head(final_norm(h) * base / hidden)
 }
 
 

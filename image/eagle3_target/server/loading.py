@@ -30,7 +30,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Weight files as transformers and vLLM look for them: an index of shards, or one file.
 WEIGHT_INDEXES = (SAFETENSORS_INDEX, "pytorch_model.bin.index.json")
 SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-# transformers' progress bar over the tensors it loads (core_model_loading.py, transformers 5.20).
+# transformers' progress bar over the tensors it loads (its weight loader, transformers 5.20).
 TRANSFORMERS_WEIGHTS_BAR = "Loading weights"
 
 

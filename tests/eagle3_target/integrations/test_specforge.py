@@ -1,6 +1,6 @@
 """SpecForge 0.2 (the real package) trains on `eagle3-target export specforge` files exactly as on the files
 its own SGLang capture would have written (the reference: a plain transformers forward per row, as SGLang
-captures; see reference.py).
+captures; see support/trainer_rows.py).
 
 CPU shims, only here, for lines of SpecForge that need CUDA or a GPU compiler:
 - `specforge.algorithms.eagle3.model.LogSoftmaxLoss` is a Triton kernel; it is replaced by the same KL in

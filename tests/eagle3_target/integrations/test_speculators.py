@@ -1,7 +1,7 @@
 """speculators 0.9 (the real package) trains on a served target, online through the `eagle3-target`
 hidden-states backend and offline on `eagle3-target export speculators` files, exactly as on the files
 vLLM's hidden-states connector would have written (the reference: a plain transformers forward per row, the
-way vLLM captures; see reference.py).
+way vLLM captures; see support/trainer_rows.py).
 
 CPU shims, only here, for speculators lines that assume CUDA (speculators/train/trainer.py, train/cli.py):
 - `Trainer` moves model and batches with `.to(local_rank)` (an int: a CUDA device): `get_local_rank` -> "cpu";
