@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from eagle3_target import protocol
 
@@ -56,3 +57,11 @@ def test_target_info_round_trips_and_ignores_unknown_fields():
     payload = info.model_dump(mode="json") | {"added_later": True}
     assert protocol.TargetInfo.model_validate(payload) == info
     assert payload["revision"] is None
+
+
+def test_token_file_is_stripped_and_must_not_be_empty(tmp_path: Path):
+    (tmp_path / "t").write_text("  abc\n")
+    assert protocol.read_token_file(tmp_path / "t") == "abc"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        protocol.read_token_file(tmp_path / "empty")

@@ -1,0 +1,138 @@
+"""The engine worker without a server: its bounded queue, coalescing, and failures kept to their request."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, run_coalesced
+from eagle3_target.server.metrics import ServerMetrics
+
+
+def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"doubled": inputs["input_ids"] * 2, "row_sum": inputs["input_ids"].sum(dim=1)}
+
+
+def job(rows: int, seq: int, start: int, key: object = "k") -> EngineJob:
+    ids = torch.arange(start, start + rows * seq).reshape(rows, seq)
+    return EngineJob(batch_key=key, inputs={"input_ids": ids}, compute=double)
+
+
+def test_run_coalesced_splits_rows_back():
+    jobs = [job(1, 3, 0), job(2, 3, 100), job(3, 3, 1000)]
+    results = run_coalesced(jobs)
+    for j, result in zip(jobs, results, strict=True):
+        assert torch.equal(result["doubled"], j.inputs["input_ids"] * 2)
+        assert torch.equal(result["row_sum"], j.inputs["input_ids"].sum(dim=1))
+
+
+def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
+    metrics = ServerMetrics()
+    worker = EngineWorker(max_queue=3, max_batch_tokens=12, metrics=metrics)
+    running, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        running.set()
+        release.wait(timeout=30)
+        return double(inputs)
+
+    def counting(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(int(inputs["input_ids"].shape[0]))
+        return double(inputs)
+
+    worker.start()
+    try:
+        blocker = EngineJob(
+            batch_key="block", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=blocking
+        )
+        first = worker.submit(blocker)
+        assert running.wait(timeout=30)
+        queued = [job(1, 4, 0), job(2, 4, 100), job(1, 4, 200)]
+        for j in queued:
+            j.compute = counting
+        futures = [worker.submit(j) for j in queued]
+        assert metrics.registry.get_sample_value("eagle3_queue_depth") == 3
+        with pytest.raises(QueueFull, match="3 requests waiting"):
+            worker.submit(job(1, 4, 300))
+        release.set()
+        assert torch.equal(first.result(timeout=30)["doubled"], torch.zeros(1, 1, dtype=torch.int64))
+        for j, future in zip(queued, futures, strict=True):
+            assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+        # 12 tokens fit: the first two (4 + 8) share one call, the third runs alone.
+        assert calls == [3, 1]
+    finally:
+        release.set()
+        worker.stop()
+
+
+def test_worker_keeps_keys_and_lengths_apart_and_survives_errors():
+    worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=ServerMetrics())
+
+    def failing(_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise RuntimeError("engine exploded")
+
+    worker.start()
+    try:
+        bad = EngineJob(
+            batch_key="bad", inputs={"input_ids": torch.zeros(1, 2, dtype=torch.int64)}, compute=failing
+        )
+        futures = [
+            worker.submit(bad),
+            worker.submit(job(1, 2, 0, key="a")),
+            worker.submit(job(1, 3, 10, key="a")),
+        ]
+        with pytest.raises(RuntimeError, match="exploded"):
+            futures[0].result(timeout=30)
+        assert futures[1].result(timeout=30)["doubled"].shape == (1, 2)
+        assert futures[2].result(timeout=30)["doubled"].shape == (1, 3)
+    finally:
+        worker.stop()
+
+
+def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
+    metrics = ServerMetrics()
+    worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=metrics)
+    running, release = threading.Event(), threading.Event()
+    rows_per_call: list[int] = []
+
+    def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        running.set()
+        release.wait(timeout=30)
+        return double(inputs)
+
+    def refuses_negative_ids(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows_per_call.append(int(inputs["input_ids"].shape[0]))
+        if bool((inputs["input_ids"] < 0).any()):
+            raise ValueError("negative token id")
+        return double(inputs)
+
+    worker.start()
+    try:
+        worker.submit(
+            EngineJob(
+                batch_key="b", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=blocking
+            )
+        )
+        assert running.wait(timeout=30)
+        good = [job(1, 3, 0), job(1, 3, 10)]
+        poison = EngineJob(
+            batch_key="k", inputs={"input_ids": -torch.ones(1, 3, dtype=torch.int64)}, compute=double
+        )
+        for j in (*good, poison):
+            j.compute = refuses_negative_ids
+        futures = [worker.submit(good[0]), worker.submit(poison), worker.submit(good[1])]
+        release.set()
+        with pytest.raises(ValueError, match="negative"):
+            futures[1].result(timeout=30)
+        for j, future in zip(good, (futures[0], futures[2]), strict=True):
+            assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+        # The three really shared one engine call (one 9-token batch after the 1-token blocker), and
+        # only its failure sent them back one at a time.
+        assert rows_per_call == [3, 1, 1, 1]
+        assert metrics.registry.get_sample_value("eagle3_batch_tokens_count") == 2
+        assert metrics.registry.get_sample_value("eagle3_batch_tokens_sum") == 1 + 9
+    finally:
+        release.set()
+        worker.stop()
