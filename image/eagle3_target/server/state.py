@@ -58,7 +58,7 @@ class ServerState:
         self.metrics.model_info.info({k: str(v) for k, v in target.info.model_dump(mode="json").items()})
         self.target = target
         self.metrics.ready.set(1)
-        log.info("ready", extra={"fingerprint": target.fingerprint})
+        log.info("ready", extra={"fingerprint": target.info.fingerprint})
 
     def close(self) -> None:
         self.metrics.ready.set(0)

@@ -51,14 +51,11 @@ class CanaryError(LoadFailed):
 
 @dataclass(frozen=True)
 class LoadedTarget:
+    """A loaded runner, the device its inputs go to, and what the server publishes about it: `info`, the
+    /v1/info answer, is the one record of its sizes, limits and fingerprint."""
+
     runner: TargetRunner
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    dtype: torch.dtype
     device: torch.device
-    max_model_len: int
-    fingerprint: str
     info: TargetInfo
 
 
@@ -97,7 +94,6 @@ def run_canary(runner: TargetRunner, *, hidden_size: int, vocab_size: int) -> No
             raise CanaryError(f"canary aux layer {runner.aux_layer_ids[i]} is all zeros")
 
 
-# What each engine does while `load_runner` runs, as the load progress says it.
 def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) -> LoadedTarget:
     """Check what can be refused at once, wait for weights still arriving, load the runner, run the canary
     and compute the published identity, reporting each phase to `tracker`. Slow: runs off the event loop.
@@ -153,17 +149,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
         max_model_len=int(max_len),
         version=eagle3_target.__version__,
     )
-    return LoadedTarget(
-        runner=runner,
-        num_hidden_layers=facts.num_hidden_layers,
-        hidden_size=facts.hidden_size,
-        vocab_size=facts.vocab_size,
-        dtype=facts.dtype,
-        device=facts.device,
-        max_model_len=int(max_len),
-        fingerprint=fingerprint,
-        info=info,
-    )
+    return LoadedTarget(runner=runner, device=facts.device, info=info)
 
 
 def weight_tensor(target: LoadedTarget, name: str) -> Tensor:

@@ -163,9 +163,13 @@ def test_server_loads_the_vllm_engine_and_passes_its_canary(tiny_qwen3_dir, fake
     target = load_target(settings)
     assert isinstance(target.runner, VLLMRunner)
     assert target.info.aux_layer_ids == [0, 2, 5] and target.info.engine == "vllm"
-    assert (target.num_hidden_layers, target.hidden_size, target.vocab_size) == (8, HIDDEN, 256)
+    assert (target.info.num_hidden_layers, target.info.hidden_size, target.info.vocab_size) == (
+        8,
+        HIDDEN,
+        256,
+    )
     # vLLM keeps one of the 128 slots for the generated token: the server must refuse 128-token rows itself.
-    assert target.max_model_len == target.info.max_model_len == 127
+    assert target.info.max_model_len == 127
     received = fake_vllm.LLM.created[-1].init_kwargs
     assert (received["max_model_len"], received["enforce_eager"]) == (128, True)
     target.runner.close()

@@ -69,8 +69,8 @@ async def supervision(
             decode_safetensors(body),
             required=("input_ids",),
             optional=("attention_mask",),
-            vocab_size=target.vocab_size,
-            max_model_len=target.max_model_len,
+            vocab_size=target.info.vocab_size,
+            max_model_len=target.info.max_model_len,
             max_batch_tokens=state.settings.max_batch_tokens,
         )
     )
@@ -83,7 +83,7 @@ async def supervision(
     outputs = await state.run_on_engine(job)
     metadata = {
         "format": format,
-        "fingerprint": target.fingerprint,
+        "fingerprint": target.info.fingerprint,
         "aux_layer_ids": json.dumps(target.info.aux_layer_ids),
     }
     if vocab is not None:
@@ -99,7 +99,7 @@ async def put_vocab_mapping(
 ) -> JSONResponse:
     if not _MAPPING_ID.match(mapping_id):
         raise Unprocessable("vocab mapping ids are 1-128 characters of [A-Za-z0-9._-]")
-    body = await read_body_capped(request, mapping_body_limit(target.vocab_size))
+    body = await read_body_capped(request, mapping_body_limit(target.info.vocab_size))
     tensors = await run_in_threadpool(decode_safetensors, body)
     if set(tensors) != {"selected_token_ids"}:
         raise Unprocessable(f"expected exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
@@ -107,7 +107,7 @@ async def put_vocab_mapping(
     if ids.dtype != torch.int64:
         raise Unprocessable(f"selected_token_ids must be int64, got {ids.dtype}")
     try:
-        mapping = VocabMapping.from_selected_ids(ids, target.vocab_size).to(target.device)
+        mapping = VocabMapping.from_selected_ids(ids, target.info.vocab_size).to(target.device)
     except ValueError as exc:
         raise Unprocessable(str(exc)) from exc
     state.mappings.put(mapping_id, mapping)
@@ -122,7 +122,7 @@ async def weights(name: str, state: StateDep) -> Response:
         raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")
     target = state.require_target()  # after the name check: an unknown weight is 404 even while loading
     weight = await run_in_threadpool(weight_tensor, target, name)
-    metadata = {"name": name, "fingerprint": target.fingerprint}
+    metadata = {"name": name, "fingerprint": target.info.fingerprint}
     return Response(
         await run_in_threadpool(tensor_wire.encode, {"weight": weight}, metadata),
         media_type=OCTET_STREAM,

@@ -73,16 +73,16 @@ async def input_embeddings(target: TargetDep) -> Response:
 
 @router.post("/set_vocab_mapping")
 async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep) -> dict[str, str]:
-    limit = mapping_body_limit(target.vocab_size)
+    limit = mapping_body_limit(target.info.vocab_size)
     body = await read_body_capped(request, limit)
     tensors = await run_in_threadpool(decode_nemo_wire, body, limit)
     missing = {"selected_token_ids", "selected_token_mask"} - set(tensors)
     if missing:
         raise Unprocessable(f"missing tensors {sorted(missing)}")
     mask = tensors["selected_token_mask"]
-    if mask.numel() != target.vocab_size:
+    if mask.numel() != target.info.vocab_size:
         raise Unprocessable(
-            f"selected_token_mask has {mask.numel()} entries, the target vocab is {target.vocab_size}"
+            f"selected_token_mask has {mask.numel()} entries, the target vocab is {target.info.vocab_size}"
         )
     try:
         mapping = VocabMapping(tensors["selected_token_ids"], mask).to(target.device)
@@ -112,8 +112,8 @@ async def generate(request: Request, state: StateDep, target: TargetDep) -> Resp
             decode_nemo_wire(body, state.settings.token_body_limit),
             required=("input_ids", "attention_mask", "loss_mask"),
             optional=(),
-            vocab_size=target.vocab_size,
-            max_model_len=target.max_model_len,
+            vocab_size=target.info.vocab_size,
+            max_model_len=target.info.max_model_len,
             max_batch_tokens=state.settings.max_batch_tokens,
         )
 
