@@ -1,0 +1,80 @@
+"""The operator's Helm chart as tests read it: helm without a cluster, the objects it renders for a value
+set, the operator's options parsed from the rendered args, and the value sets the chart is checked with."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import typer
+import yaml
+from eagle3_operator import cli
+
+from support.cluster.access import BIN_DIR, REPO
+
+CHART = REPO / "charts" / "eagle3-operator"
+CRD_NAME = "eagle3targets.eagle3.dev.yaml"
+
+# Value sets every rendering check runs with: each turns on a different part of the chart.
+VALUE_SETS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "two namespaces": {"watchNamespaces": "{team-a,team-b}"},
+    "service monitor": {
+        "metrics.serviceMonitor.enabled": "true",
+        "metrics.serviceMonitor.labels.release": "prom",
+    },
+    "own account and ports": {
+        "serviceAccount.create": "false",
+        "serviceAccount.name": "existing-operator",
+        "healthPort": "9000",
+        "metrics.port": "9001",
+        "logLevel": "debug",
+        "image.tag": "dev",
+    },
+    "no metrics service": {"metrics.service.enabled": "false"},
+    "prometheus namespace, no user roles": {
+        "targets.prometheusNamespace": "monitoring",
+        "rbac.aggregateToDefaultRoles": "false",
+    },
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """helm without a cluster (lint, template), with its state dirs kept inside .cache."""
+    home = REPO / ".cache" / "helm"
+    env = {
+        "HELM_CACHE_HOME": f"{home}/cache",
+        "HELM_CONFIG_HOME": f"{home}/config",
+        "HELM_DATA_HOME": f"{home}/data",
+    }
+    result = subprocess.run(
+        [str(BIN_DIR / "helm"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+def set_args(values: dict[str, str]) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def render(values: dict[str, str], namespace: str = "eagle3-system") -> list[dict[str, Any]]:
+    out = helm("template", "e3", str(CHART), "--namespace", namespace, *set_args(values)).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def cli_options(args: list[str]) -> dict[str, Any]:
+    """Parse the container's args with the operator's real command line (nothing runs)."""
+    command = typer.main.get_command(cli.app)
+    return command.make_context("eagle3-operator", list(args)).params

@@ -1,0 +1,55 @@
+"""The chart as a package, with the real helm binary: its CRD is the source CRD, it lints clean with every
+value set, and its schema refuses bad values with a message that names them."""
+
+import pytest
+
+from support.chart import CHART, CRD_NAME, VALUE_SETS, helm, set_args
+from support.cluster.access import REPO
+
+
+def test_chart_crds_are_the_source_crds():
+    source = REPO / "crds" / CRD_NAME
+    assert sorted(p.name for p in (CHART / "crds").iterdir()) == [CRD_NAME]
+    assert (CHART / "crds" / CRD_NAME).read_bytes() == source.read_bytes()
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_SETS))
+def test_lint_strict(case):
+    result = helm("lint", "--strict", str(CHART), *set_args(VALUE_SETS[case]))
+    assert "0 chart(s) failed" in result.stdout
+
+
+BAD_VALUES = {
+    "namespaces as a string": ({"watchNamespaces": "all"}, "at '/watchNamespaces': got string, want array"),
+    "bad namespace name": ({"watchNamespaces": "{Team_A}"}, "'Team_A' does not match pattern"),
+    "privileged port": ({"healthPort": "80"}, "at '/healthPort': minimum"),
+    "same two ports": ({"metrics.port": "8080"}, "healthPort and metrics.port must differ"),
+    "pull policy": (
+        {"image.pullPolicy": "Sometimes"},
+        "value must be one of 'Always', 'IfNotPresent', 'Never'",
+    ),
+    "unknown key": ({"replica": "2"}, "additional properties 'replica' not allowed"),
+    "two replicas without election": (
+        {"replicas": "2", "leaderElection.enabled": "false"},
+        "at '/leaderElection/enabled': value must be true",
+    ),
+    "monitor without service": (
+        {"metrics.serviceMonitor.enabled": "true", "metrics.service.enabled": "false"},
+        "at '/metrics/service/enabled': value must be true",
+    ),
+    "no account": ({"serviceAccount.create": "false"}, "at '/serviceAccount/name'"),
+    "bad quantity": ({"resources.limits.memory": "lots"}, "at '/resources/limits/memory'"),
+    "log level": ({"logLevel": "trace"}, "at '/logLevel'"),
+    "bad prometheus namespace": (
+        {"targets.prometheusNamespace": "Mon_1"},
+        "at '/targets/prometheusNamespace'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_bad_values_are_refused(case):
+    values, expected = BAD_VALUES[case]
+    result = helm("template", "e3", str(CHART), *set_args(values), check=False)
+    assert result.returncode != 0
+    assert expected in result.stderr
