@@ -14,10 +14,11 @@ from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, OCTET_STREAM, WEIGHT_NAMES, TargetInfo
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
+from eagle3_target.server.computations import supervision_compute, weight_tensor
 from eagle3_target.server.deps import StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
-from eagle3_target.server.target import supervision_compute, validate_token_batch, weight_tensor
+from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.wire import tensors as tensor_wire
 
 _MAPPING_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

@@ -19,10 +19,11 @@ from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import OCTET_STREAM
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
+from eagle3_target.server.computations import nemo_generate_compute, weight_tensor
 from eagle3_target.server.deps import StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
-from eagle3_target.server.target import nemo_generate_compute, validate_token_batch, weight_tensor
+from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.server.vocab_store import UnboundConnection
 from eagle3_target.wire import nemo as nemo_wire
 

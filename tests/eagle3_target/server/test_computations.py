@@ -1,4 +1,4 @@
-"""The engine-side computations of ``server/target.py`` on a real tiny model, without a server process."""
+"""The engine-side computations (`server/computations.py`) on a real tiny model, without a server process."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ import torch
 from eagle3_target.contract import build_batch
 from eagle3_target.runners import TargetRunner
 from eagle3_target.runners.base import ForwardHiddenUnsupported
+from eagle3_target.server.computations import NEMO_SUPERVISION_KEYS, nemo_generate_compute
 from eagle3_target.server.settings import ServerSettings
-from eagle3_target.server.target import (
-    NEMO_SUPERVISION_KEYS,
-    LoadedTarget,
-    load_target,
-    nemo_generate_compute,
-)
+from eagle3_target.server.target import LoadedTarget, load_target
 
 from support.supervision import draft_mapping, token_batch
 
