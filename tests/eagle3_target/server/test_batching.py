@@ -19,6 +19,21 @@ def job(rows: int, seq: int, start: int, key: object = "k") -> EngineJob:
     return EngineJob(batch_key=key, inputs={"input_ids": ids}, compute=double)
 
 
+class Blocker:
+    """A one-token job that holds the engine thread until released, so the jobs submitted meanwhile queue."""
+
+    def __init__(self) -> None:
+        self.running, self.release = threading.Event(), threading.Event()
+        self.job = EngineJob(
+            batch_key="block", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=self._hold
+        )
+
+    def _hold(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.running.set()
+        self.release.wait(timeout=30)
+        return double(inputs)
+
+
 def test_run_coalesced_splits_rows_back():
     jobs = [job(1, 3, 0), job(2, 3, 100), job(3, 3, 1000)]
     results = run_coalesced(jobs)
@@ -30,13 +45,8 @@ def test_run_coalesced_splits_rows_back():
 def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
     metrics = ServerMetrics()
     worker = EngineWorker(max_queue=3, max_batch_tokens=12, metrics=metrics)
-    running, release = threading.Event(), threading.Event()
+    blocker = Blocker()
     calls: list[int] = []
-
-    def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        running.set()
-        release.wait(timeout=30)
-        return double(inputs)
 
     def counting(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         calls.append(int(inputs["input_ids"].shape[0]))
@@ -44,11 +54,8 @@ def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
 
     worker.start()
     try:
-        blocker = EngineJob(
-            batch_key="block", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=blocking
-        )
-        first = worker.submit(blocker)
-        assert running.wait(timeout=30)
+        first = worker.submit(blocker.job)
+        assert blocker.running.wait(timeout=30)
         queued = [job(1, 4, 0), job(2, 4, 100), job(1, 4, 200)]
         for j in queued:
             j.compute = counting
@@ -56,14 +63,14 @@ def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
         assert metrics.registry.get_sample_value("eagle3_queue_depth") == 3
         with pytest.raises(QueueFull, match="3 requests waiting"):
             worker.submit(job(1, 4, 300))
-        release.set()
+        blocker.release.set()
         assert torch.equal(first.result(timeout=30)["doubled"], torch.zeros(1, 1, dtype=torch.int64))
         for j, future in zip(queued, futures, strict=True):
             assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
         # 12 tokens fit: the first two (4 + 8) share one call, the third runs alone.
         assert calls == [3, 1]
     finally:
-        release.set()
+        blocker.release.set()
         worker.stop()
 
 
@@ -94,13 +101,8 @@ def test_worker_keeps_keys_and_lengths_apart_and_survives_errors():
 def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
     metrics = ServerMetrics()
     worker = EngineWorker(max_queue=8, max_batch_tokens=1000, metrics=metrics)
-    running, release = threading.Event(), threading.Event()
+    blocker = Blocker()
     rows_per_call: list[int] = []
-
-    def blocking(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        running.set()
-        release.wait(timeout=30)
-        return double(inputs)
 
     def refuses_negative_ids(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         rows_per_call.append(int(inputs["input_ids"].shape[0]))
@@ -110,12 +112,8 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
 
     worker.start()
     try:
-        worker.submit(
-            EngineJob(
-                batch_key="b", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=blocking
-            )
-        )
-        assert running.wait(timeout=30)
+        worker.submit(blocker.job)
+        assert blocker.running.wait(timeout=30)
         good = [job(1, 3, 0), job(1, 3, 10)]
         poison = EngineJob(
             batch_key="k", inputs={"input_ids": -torch.ones(1, 3, dtype=torch.int64)}, compute=double
@@ -123,7 +121,7 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
         for j in (*good, poison):
             j.compute = refuses_negative_ids
         futures = [worker.submit(good[0]), worker.submit(poison), worker.submit(good[1])]
-        release.set()
+        blocker.release.set()
         with pytest.raises(ValueError, match="negative"):
             futures[1].result(timeout=30)
         for j, future in zip(good, (futures[0], futures[2]), strict=True):
@@ -134,5 +132,5 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
         assert metrics.registry.get_sample_value("eagle3_batch_tokens_count") == 2
         assert metrics.registry.get_sample_value("eagle3_batch_tokens_sum") == 1 + 9
     finally:
-        release.set()
+        blocker.release.set()
         worker.stop()
