@@ -1,8 +1,9 @@
 """The one registry of engines. Torch-free, so the CLI, the server's settings and the operator can read it
 without loading an engine; each engine's code is imported only when it is checked or loaded.
 
-Adding an engine: a runner module under `eagle3_target.runners` plus one `ENGINES` entry. A test checks the
-CRD's `spec.engine` enum and the operator's spec against this table.
+Adding an engine: a runner module under `eagle3_target.runners`, its name in `EngineName` and one `ENGINES`
+entry. A test checks the CRD's `spec.engine` enum (and the operator's spec, which takes `EngineName`) against
+this table.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from eagle3_target.runners.base import TargetRunner
@@ -59,6 +60,8 @@ class Engine:
     loading_message: str = "loading weights"
 
 
+# Static, for typed settings and the operator's spec; a test checks it names exactly the ENGINES entries.
+EngineName = Literal["vllm", "hf"]
 # The first entry is the default.
 ENGINES: dict[str, Engine] = {
     "vllm": Engine(

@@ -17,9 +17,9 @@ targets. `unknown_fields` names them so the operator can warn.
 import re
 import types
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Self, Union, get_args, get_origin
+from typing import Annotated, Any, Self, Union, get_args, get_origin
 
-from eagle3_target.engines import ENGINES
+from eagle3_target.engines import ENGINES, EngineName
 from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -115,7 +115,7 @@ class EndpointSpec(SpecModel):
 
 class Eagle3TargetSpec(SpecModel):
     model: ModelSpec | None = None
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: EngineName = "vllm"
     aux_layer_ids: list[Annotated[int, Field(ge=0, le=1024)]] | None = None
     tensor_parallel_size: int = Field(1, ge=0, le=16)
     replicas: int = Field(1, ge=0, le=64)

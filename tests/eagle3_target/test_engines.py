@@ -6,7 +6,7 @@ import typing
 
 import pytest
 from eagle3_operator.spec import Eagle3TargetSpec
-from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
+from eagle3_target.engines import DEFAULT_ENGINE, ENGINES, EngineName
 from eagle3_target.runners import ModelRefused, check_engine_args
 from eagle3_target.server.settings import ServerSettings
 
@@ -22,6 +22,10 @@ def test_the_crd_enum_and_default_are_the_registry():
     schema = crd_engine_schema()
     assert schema["enum"] == list(ENGINES)
     assert schema["default"] == DEFAULT_ENGINE
+
+
+def test_the_engine_name_type_is_the_registry():
+    assert typing.get_args(EngineName) == tuple(ENGINES)
 
 
 def test_the_operator_spec_accepts_exactly_the_registered_engines():
