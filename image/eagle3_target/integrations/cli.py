@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from eagle3_target.integrations.connect import Connection
 
 if TYPE_CHECKING:
     from eagle3_target.integrations.layouts import Layout
@@ -15,16 +19,6 @@ export_app = typer.Typer(
     help="Write a trainer's offline feature files from a served target (resumable).", no_args_is_help=True
 )
 
-TargetOption = Annotated[str | None, typer.Option("--target", help="Eagle3Target name (resolved by name).")]
-NamespaceOption = Annotated[
-    str | None,
-    typer.Option(
-        "--namespace", "-n", help="the target's namespace; default: the kubeconfig's (or the pod's)"
-    ),
-]
-UrlOption = Annotated[
-    list[str] | None, typer.Option("--url", help="target server URL instead of a name (repeat for fail-over)")
-]
 DataOption = Annotated[
     Path,
     typer.Option(
@@ -32,29 +26,76 @@ DataOption = Annotated[
     ),
 ]
 OutOption = Annotated[Path, typer.Option("--out", help="output directory (rerun to resume)")]
-TokenFileOption = Annotated[Path | None, typer.Option("--token-file", help="bearer token for the target")]
 BatchTokensOption = Annotated[
     int | None,
     typer.Option(min=1, help="tokens per request; default (and cap): the server's max_batch_tokens"),
 ]
 DepthOption = Annotated[int, typer.Option(min=1, help="requests in flight while files are written")]
-WaitOption = Annotated[float, typer.Option(min=0, help="seconds to wait for the target to be Ready")]
-KubeconfigOption = Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
+
+
+def connection_options(
+    target: Annotated[
+        str | None, typer.Option("--target", help="Eagle3Target name (resolved by name).")
+    ] = None,
+    namespace: Annotated[
+        str | None,
+        typer.Option(
+            "--namespace", "-n", help="the target's namespace; default: the kubeconfig's (or the pod's)"
+        ),
+    ] = None,
+    url: Annotated[
+        list[str] | None,
+        typer.Option("--url", help="target server URL instead of a name (repeat for fail-over)"),
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option("--token-file", help="bearer token for the target")
+    ] = None,
+    wait: Annotated[float, typer.Option(min=0, help="seconds to wait for the target to be Ready")] = 300.0,
+    kubeconfig: Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")] = None,
+) -> Connection:
+    """The options every export command takes to find its target, as one `Connection`."""
+    return Connection(
+        target=target,
+        urls=tuple(url or ()),
+        namespace=namespace,
+        token_file=token_file,
+        wait=wait,
+        kubeconfig=kubeconfig,
+    )
+
+
+def with_connection(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with its `connection: Connection` parameter shown on the command line as the options of
+    `connection_options` (in its place), and called with the `Connection` they build."""
+    shared = inspect.signature(connection_options, eval_str=True).parameters
+    signature = inspect.signature(command, eval_str=True)
+    own = list(signature.parameters.values())
+    at = [p.name for p in own].index("connection")
+
+    @functools.wraps(command)
+    def wrapper(**options: Any) -> None:
+        connection = connection_options(**{name: options.pop(name) for name in shared})
+        command(connection=connection, **options)
+
+    # typer reads the options from the signature; a function declares no __signature__ for mypy to know.
+    wrapper.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[*own[:at], *shared.values(), *own[at + 1 :]]
+    )
+    return wrapper
 
 
 def _run(
     make_layout: Callable[[], Layout],
     data: Path,
     out: Path,
-    connection: dict[str, Any],
+    connection: Connection,
     batch_tokens: int | None,
     depth: int,
     quiet: bool,
 ) -> None:
     """Build the layout, connect, export; every expected failure is one `error:` line and exit code 1."""
     from eagle3_target.client.errors import ClientError
-    from eagle3_target.integrations.connect import connect
     from eagle3_target.integrations.exporter import ExportError, export
     from eagle3_target.integrations.layouts import LayoutMismatch
     from eagle3_target.integrations.rows import RowError, open_rows
@@ -62,7 +103,7 @@ def _run(
     try:
         layout = make_layout()
         source = open_rows(data)
-        with connect(**connection) as client:
+        with connection.open() as client:
             summary = export(
                 client, source, layout, out, batch_tokens=batch_tokens, depth=depth, progress=not quiet
             )
@@ -73,6 +114,7 @@ def _run(
 
 
 @export_app.command("speculators")
+@with_connection
 def speculators(
     data: Annotated[
         Path,
@@ -84,14 +126,9 @@ def speculators(
         ),
     ],
     out: OutOption,
-    target: TargetOption = None,
-    namespace: NamespaceOption = None,
-    url: UrlOption = None,
-    token_file: TokenFileOption = None,
+    connection: Connection,
     batch_tokens: BatchTokensOption = None,
     depth: DepthOption = 2,
-    wait: WaitOption = 300.0,
-    kubeconfig: KubeconfigOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """speculators' offline hidden states (what `speculators generate-offline-data` writes from vLLM):
@@ -99,26 +136,15 @@ def speculators(
     --hidden-states-path OUT/hidden_states."""
     from eagle3_target.integrations.layouts import SpeculatorsLayout
 
-    connection = {"target": target, "urls": url or [], "namespace": namespace, "token_file": token_file}
-    _run(
-        SpeculatorsLayout,
-        data,
-        out,
-        {**connection, "wait": wait, "kubeconfig": kubeconfig},
-        batch_tokens,
-        depth,
-        quiet,
-    )
+    _run(SpeculatorsLayout, data, out, connection, batch_tokens, depth, quiet)
 
 
 @export_app.command("specforge")
+@with_connection
 def specforge(
     data: DataOption,
     out: OutOption,
-    target: TargetOption = None,
-    namespace: NamespaceOption = None,
-    url: UrlOption = None,
-    token_file: TokenFileOption = None,
+    connection: Connection,
     aux_layer_ids: Annotated[
         tuple[int, int, int] | None,
         typer.Option(help="the aux layers SpecForge's run sets (model.aux_hidden_state_layer_ids)"),
@@ -129,8 +155,6 @@ def specforge(
     ] = None,
     batch_tokens: BatchTokensOption = None,
     depth: DepthOption = 2,
-    wait: WaitOption = 300.0,
-    kubeconfig: KubeconfigOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """SpecForge's offline features (specforge_hidden_states_v1, what its prepare_hidden_states.py writes):
@@ -138,12 +162,11 @@ def specforge(
     whose aux layers are the ones SpecForge assumes (checked)."""
     from eagle3_target.integrations.layouts import SpecForgeLayout
 
-    connection = {"target": target, "urls": url or [], "namespace": namespace, "token_file": token_file}
     _run(
         lambda: SpecForgeLayout(aux_layer_ids, draft_config),
         data,
         out,
-        {**connection, "wait": wait, "kubeconfig": kubeconfig},
+        connection,
         batch_tokens,
         depth,
         quiet,

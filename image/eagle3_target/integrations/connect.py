@@ -1,33 +1,51 @@
-"""A `TargetClient` from what a user types: a resource name (resolved and followed) or server URLs, and an
-optional bearer-token file. Shared by the exporters and the speculators backend."""
+"""Where a served target is and how to reach it, from what a user types: a resource name (resolved and
+followed) or server URLs, and an optional bearer-token file. The exporters build one `Connection` from
+their shared options, the speculators backend from its flags; every process opens its own client from it.
+
+Torch-free (the client is imported when a connection opens), so the command line starts quickly.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from eagle3_target.client.target_client import TargetClient
 from eagle3_target.protocol import read_token_file
 
+if TYPE_CHECKING:
+    from eagle3_target.client.target_client import TargetClient
 
-def connect(
-    target: str | None,
-    urls: Sequence[str] = (),
-    *,
-    namespace: str | None = None,
-    token_file: Path | None = None,
-    wait: float = 300.0,
-    kubeconfig: str | None = None,
-) -> TargetClient:
-    """A client of the `Eagle3Target` named `target`, or of the servers at `urls`: exactly one of them."""
-    if (target is None) == (not urls):
-        raise ValueError("give either a target name (--target) or its server URLs (--url), not both")
-    if target is not None and "://" in target:
-        raise ValueError(f"--target takes an Eagle3Target name; pass a server URL with --url: {target}")
-    bad = [u for u in urls if "://" not in u]
-    if bad:
-        raise ValueError(f"--url takes server URLs like http://10.0.0.5:8000, got {bad}")
-    token = read_token_file(token_file) if token_file is not None else None
-    if target is not None:
-        return TargetClient(target, namespace=namespace, wait=wait, kubeconfig=kubeconfig, token=token)
-    return TargetClient(list(urls), token=token)
+
+@dataclass(frozen=True)
+class Connection:
+    """The `Eagle3Target` named `target`, or the servers at `urls`: exactly one of them (checked on `open`).
+    Plain values only, so it pickles into data-loader workers."""
+
+    target: str | None = None
+    urls: tuple[str, ...] = ()
+    namespace: str | None = None
+    token_file: Path | None = None
+    wait: float = 300.0  # seconds to wait for a named target to be Ready
+    kubeconfig: str | None = None
+
+    def open(self) -> TargetClient:
+        """A client of the target; ValueError for a name given as a URL, a URL without a scheme, or neither
+        or both given."""
+        from eagle3_target.client.target_client import TargetClient
+
+        if (self.target is None) == (not self.urls):
+            raise ValueError("give either a target name (--target) or its server URLs (--url), not both")
+        if self.target is not None and "://" in self.target:
+            raise ValueError(
+                f"--target takes an Eagle3Target name; pass a server URL with --url: {self.target}"
+            )
+        bad = [u for u in self.urls if "://" not in u]
+        if bad:
+            raise ValueError(f"--url takes server URLs like http://10.0.0.5:8000, got {bad}")
+        token = read_token_file(self.token_file) if self.token_file is not None else None
+        if self.target is not None:
+            return TargetClient(
+                self.target, namespace=self.namespace, wait=self.wait, kubeconfig=self.kubeconfig, token=token
+            )
+        return TargetClient(list(self.urls), token=token)

@@ -24,7 +24,7 @@ import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from eagle3_target.client.target_client import TargetClient
-from eagle3_target.integrations.connect import connect
+from eagle3_target.integrations.connect import Connection
 from eagle3_target.integrations.layouts import speculators_layer_ids, speculators_sample
 from eagle3_target.protocol import TargetInfo
 
@@ -64,7 +64,7 @@ class Eagle3TargetTransfer(HiddenStatesTransfer):
     """Row i's hidden states from the served target. Picklable: each DataLoader worker process opens its own
     client and dataset on first use, and checks it reaches the same model (fingerprint) as the trainer."""
 
-    def __init__(self, connection: dict[str, Any], data_path: str, info: TargetInfo) -> None:
+    def __init__(self, connection: Connection, data_path: str, info: TargetInfo) -> None:
         self.connection = connection
         self.data_path = data_path
         self.aux_layer_ids = list(info.aux_layer_ids)
@@ -81,7 +81,7 @@ class Eagle3TargetTransfer(HiddenStatesTransfer):
             return
         from datasets import load_from_disk
 
-        client = connect(**self.connection)
+        client = self.connection.open()
         fingerprint = client.info().fingerprint
         if fingerprint != self.fingerprint:
             client.close()
@@ -133,13 +133,13 @@ class Eagle3TargetBackend(HiddenStatesBackend):
             raise ValueError(f"--hidden-states-backend {BACKEND} needs --eagle3-target NAME (or URL)")
         token_file = getattr(args, "eagle3_target_token_file", None)
         by_url = "://" in target
-        connection: dict[str, Any] = {
-            "target": None if by_url else target,
-            "urls": [target] if by_url else [],
-            "namespace": getattr(args, "eagle3_target_namespace", None),
-            "token_file": Path(token_file) if token_file else None,
-        }
-        with connect(**connection) as client:
+        connection = Connection(
+            target=None if by_url else target,
+            urls=(target,) if by_url else (),
+            namespace=getattr(args, "eagle3_target_namespace", None),
+            token_file=Path(token_file) if token_file else None,
+        )
+        with connection.open() as client:
             info = client.info()
         check_layer_ids(draft_layer_ids(args, info.num_hidden_layers), info)
         return Eagle3TargetTransfer(connection, data_path, info)
