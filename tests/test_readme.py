@@ -46,3 +46,29 @@ def test_the_layout_table_names_paths_that_exist():
     folders = {path.split("/")[0] for path in paths}
     tops = {"image", "operator", "crds", "charts", "examples", "bench", "scripts", "support", "tests"}
     assert tops <= folders
+
+
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_format_is_described():
+    from eagle3_target.protocol import FORMATS
+
+    paragraph = section("The target server").split("Formats (", 1)[1].split("\n\n", 1)[0]
+    described = set(re.findall(r"`(\w+)` \(", paragraph))
+    assert described == set(FORMATS)
+
+
+def test_every_metric_is_listed():
+    from eagle3_operator import metrics as operator_metrics
+    from eagle3_target.server.metrics import ServerMetrics
+    from prometheus_client.metrics import MetricWrapperBase
+
+    families = [family.name for family in ServerMetrics().registry.collect()]
+    for value in vars(operator_metrics).values():
+        if isinstance(value, MetricWrapperBase):
+            families += [family.name for family in value.describe()]
+    listed = section("Metrics")
+    missing = [name for name in families if not re.search(rf"`{name}(_total|_info)?[{{`]", listed)]
+    assert len(families) >= 15 and not missing, missing
