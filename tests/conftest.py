@@ -21,6 +21,8 @@ from support.cluster import plane
 from support.cluster.access import Cluster
 from support.cluster.processes import log_tail
 from support.crd import install_crd
+from support.server_farm import ServerFarm
+from support.server_process import AUTH_TOKEN
 
 NOT_RUN_OUTCOMES = ("skipped", "xfailed", "xpassed")
 LOG_TAIL_LINES = 10
@@ -83,6 +85,28 @@ def shm(tmp_path: Path) -> Path:
     path = tmp_path / "shm"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="session")
+def servers(tiny_llama_dir: Path) -> Iterator[ServerFarm]:
+    """One target server (the tiny Llama) that answers at any pod IP:port it is bound to."""
+    farm = ServerFarm(tiny_llama_dir)
+    try:
+        yield farm
+    finally:
+        farm.close()
+
+
+@pytest.fixture(scope="session")
+def auth_servers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFarm]:
+    """A target server that wants a bearer token (spec.auth) on everything but the health routes."""
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(f"{AUTH_TOKEN}\n")
+    farm = ServerFarm(tiny_llama_dir, auth_token_file=token_file)
+    try:
+        yield farm
+    finally:
+        farm.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import secrets
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import kubernetes
 import pytest
@@ -20,7 +19,6 @@ from support.cluster.access import Cluster
 from support.cluster.waiting import eventually, free_port
 from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
-from support.server_process import AUTH_TOKEN
 from support.targets import Targets
 
 NAMESPACE_PREFIX = "e3op-"
@@ -78,27 +76,6 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
 def op_namespace(make_namespace: Callable[[str], str]) -> str:
     """A fresh namespace the test operator serves (named e3op-…), deleted afterwards."""
     return make_namespace(NAMESPACE_PREFIX)
-
-
-@pytest.fixture(scope="session")
-def servers(tiny_llama_dir: Path) -> Iterator[ServerFarm]:
-    farm = ServerFarm(tiny_llama_dir)
-    try:
-        yield farm
-    finally:
-        farm.close()
-
-
-@pytest.fixture(scope="session")
-def auth_servers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFarm]:
-    """A target server that wants a bearer token (spec.auth) on everything but the health routes."""
-    token_file = tmp_path_factory.mktemp("auth") / "token"
-    token_file.write_text(f"{AUTH_TOKEN}\n")
-    farm = ServerFarm(tiny_llama_dir, auth_token_file=token_file)
-    try:
-        yield farm
-    finally:
-        farm.close()
 
 
 @pytest.fixture
