@@ -1,13 +1,15 @@
 """Operator test fixtures: the CRD installed, the operator running as a real process against the local control
 plane, per-test namespaces it serves, and real target servers answering at the simulated pods' IPs.
 
-The operator serves only namespaces named `e3op-*`, so it never touches resources of other test modules
-(which may run an operator of their own).
+Each module's operator serves only that module's namespaces (`e3op<module hash>-*`), so it never touches
+resources of other test modules: neither their own operators' targets nor the leftovers of a module that ran
+before it (namespaces are deleted asynchronously, their targets linger while they terminate).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import secrets
 from collections.abc import Callable, Iterator
 
@@ -21,26 +23,30 @@ from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
 from support.targets import Targets
 
-NAMESPACE_PREFIX = "e3op-"
+
+@pytest.fixture(scope="module")
+def namespace_prefix(request: pytest.FixtureRequest) -> str:
+    """The prefix of the namespaces this module's operator serves."""
+    return f"e3op{hashlib.sha256(request.module.__name__.encode()).hexdigest()[:6]}-"
 
 
 @pytest.fixture(scope="module")
 def operator(
-    cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFactory
+    cluster: Cluster, crd: None, namespace_prefix: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     process = OperatorProcess(
-        cluster.kubeconfig, tmp_path_factory.mktemp("operator"), [f"{NAMESPACE_PREFIX}*"]
+        cluster.kubeconfig, tmp_path_factory.mktemp("operator"), [f"{namespace_prefix}*"]
     )
     process.start()
     try:
-        _wait_until_new_namespaces_are_served(cluster)
+        _wait_until_new_namespaces_are_served(cluster, namespace_prefix)
         yield process
     finally:
         process.stop()
         print(f"operator logs: {process.log_dir}")
 
 
-def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
+def _wait_until_new_namespaces_are_served(cluster: Cluster, prefix: str) -> None:
     """kopf misses a namespace created while its namespace watch is still starting (the watch lists again and
     drops what that listing returns), so the first test's namespace could go unserved until it is deleted.
     Wait until a namespace created now is served: a target in it gets a status (an unreachable external
@@ -48,7 +54,7 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
     core = kubernetes.client.CoreV1Api(cluster.api_client)
     custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
     for _ in range(5):
-        name = f"{NAMESPACE_PREFIX}warmup-{secrets.token_hex(3)}"
+        name = f"{prefix}warmup-{secrets.token_hex(3)}"
         core.create_namespace(
             kubernetes.client.V1Namespace(metadata=kubernetes.client.V1ObjectMeta(name=name))
         )
@@ -73,9 +79,9 @@ def _wait_until_new_namespaces_are_served(cluster: Cluster) -> None:
 
 
 @pytest.fixture
-def op_namespace(make_namespace: Callable[[str], str]) -> str:
-    """A fresh namespace the test operator serves (named e3op-…), deleted afterwards."""
-    return make_namespace(NAMESPACE_PREFIX)
+def op_namespace(make_namespace: Callable[[str], str], namespace_prefix: str) -> str:
+    """A fresh namespace the module's operator serves, deleted afterwards."""
+    return make_namespace(namespace_prefix)
 
 
 @pytest.fixture

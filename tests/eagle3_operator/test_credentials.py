@@ -1,7 +1,7 @@
 """No credential leaves the operator: it probes an author's own endpoint without any Secret, and sees
 token-protected pods serve without reading their token.
 
-One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Day-2 situations on the real control plane: fields removed from a spec, finished pods, refused writes,
 names taken by others, scale-ups that keep serving, and `kubectl rollout restart` next to the operator.
 
-One operator process serves the module (namespaces e3op-*); each test has its own namespace.
+One operator process serves the module (only this module's namespaces); each test has its own namespace.
 """
 
 from __future__ import annotations

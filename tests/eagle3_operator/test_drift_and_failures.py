@@ -1,7 +1,7 @@
 """The operator keeps what it owns as it renders it and reports what it cannot do: drift repaired, a foreign
 status write undone, an unschedulable target and a child the API server refuses reported in status.
 
-One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 for it; a download that cannot succeed fails the target with its reason; a new download leaves the
 previous one serving until it completes.
 
-One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A managed target's life against the real control plane: Ready, idle, scaled, rolled out, suspended,
 an operator killed mid-rollout, deleted without waiting; and an external endpoint probed and published.
 
-One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the spec asks for reaches the cluster and leaves with it: pod settings in the Deployment's pod
 template, the NetworkPolicy, and the PodMonitor where its CRD exists.
 
-One operator process serves the whole module (it serves namespaces e3op-*); each test has its own namespace.
+One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations
