@@ -13,9 +13,11 @@ and the figures are about the others. Prints one JSON object:
 - create_to_ready_p50/p95_seconds: per target;
 - operator_peak_rss_mib: the operator process's VmHWM;
 - api_requests_per_target: the reconciler's own API requests (kopf's watch streams not included);
-- idle_*: over --idle-seconds after everything is Ready: status writes and child applies the operator
-  counted, and MODIFIED watch events on the targets seen by this script (goal: all zero, hung targets
-  included: they are probed all along, and their status does not change).
+- all_probed_seconds: first create → the last target (hung ones included) has its first probe verdict in its
+  status (a hung server's verdict waits for the probe's timeout, so it can come after all_ready_seconds);
+- idle_*: over --idle-seconds from then on: status writes and child applies the operator counted, and
+  MODIFIED watch events on the targets seen by this script (goal: all zero, hung targets included: they are
+  probed all along, and their status does not change).
 """
 
 from __future__ import annotations
@@ -93,20 +95,32 @@ class HungServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-def is_ready(body: dict) -> bool:
+def ready_condition(body: dict) -> dict[str, Any]:
     status = body.get("status") or {}
+    return next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+
+
+def is_probed(body: dict) -> bool:
+    """The status holds a probe's verdict, not the first write made before any probe answered."""
+    ready = ready_condition(body)
+    return bool(ready) and "not probed yet" not in ready.get("message", "")
+
+
+def is_ready(body: dict) -> bool:
     generation = body["metadata"]["generation"]
-    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready = ready_condition(body)
     return ready.get("status") == "True" and ready.get("observedGeneration") == generation
 
 
 class TargetWatch:
-    """Watches the namespace's targets: when each first became Ready, and how many times any was modified."""
+    """Watches the namespace's targets: when each first became Ready and first had a probe verdict, and how
+    many times any was modified."""
 
     def __init__(self, api_client: kubernetes.client.ApiClient, namespace: str) -> None:
         self.custom = kubernetes.client.CustomObjectsApi(api_client)
         self.namespace = namespace
         self.ready_at: dict[str, float] = {}
+        self.probed_at: dict[str, float] = {}
         self.modified = 0
         self._stopped = False
         self._watch = kubernetes.watch.Watch()
@@ -114,24 +128,31 @@ class TargetWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        stream = self._watch.stream(
-            self.custom.list_namespaced_custom_object,
-            GROUP,
-            VERSION,
-            self.namespace,
-            PLURAL,
-            timeout_seconds=3600,
-        )
-        try:
-            for event in stream:
-                body, name = event["object"], event["object"]["metadata"]["name"]
-                if event["type"] == "MODIFIED":
-                    self.modified += 1
-                if name not in self.ready_at and is_ready(body):
-                    self.ready_at[name] = time.monotonic()
-        except Exception:  # the stream breaks when stop() closes it, or the plane goes away first
-            if not self._stopped:
-                raise
+        """Watch until stopped; a stream that breaks (a refused first request right after the CRD is
+        Established, a dropped connection) is opened again, and its fresh listing catches up."""
+        while not self._stopped:
+            try:
+                stream = self._watch.stream(
+                    self.custom.list_namespaced_custom_object,
+                    GROUP,
+                    VERSION,
+                    self.namespace,
+                    PLURAL,
+                    timeout_seconds=3600,
+                )
+                for event in stream:
+                    body, name = event["object"], event["object"]["metadata"]["name"]
+                    if event["type"] == "MODIFIED":
+                        self.modified += 1
+                    if name not in self.ready_at and is_ready(body):
+                        self.ready_at[name] = time.monotonic()
+                    if name not in self.probed_at and is_probed(body):
+                        self.probed_at[name] = time.monotonic()
+            except Exception as error:  # stop() closes the stream, or the plane went away first
+                if self._stopped:
+                    return
+                print(f"target watch broke ({error!r}); watching again", file=sys.stderr)
+                time.sleep(0.5)
 
     def stop(self) -> None:
         self._stopped = True
@@ -202,6 +223,9 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
             time.sleep(0.2)
         ready = [watch.ready_at[n] - created_at[n] for n in healthy if n in watch.ready_at]
         all_ready = max(watch.ready_at[n] for n in healthy) - started if len(ready) == len(healthy) else None
+        while len(watch.probed_at) < len(names) and time.monotonic() - started < timeout:
+            time.sleep(0.2)
+        all_probed = max(watch.probed_at.values()) - started if len(watch.probed_at) == len(names) else None
         api_requests = operator.metric_total("eagle3_operator_api_requests_total")
 
         writes_before = operator.metric("eagle3_operator_status_writes_total")
@@ -216,6 +240,7 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
             "ready": len(ready),
             "hung_ready": sum(1 for n in stuck if n in watch.ready_at),  # goal: 0
             "all_ready_seconds": round(all_ready, 2) if all_ready is not None else None,
+            "all_probed_seconds": round(all_probed, 2) if all_probed is not None else None,
             "create_to_ready_p50_seconds": round(statistics.median(ready), 3) if ready else None,
             "create_to_ready_p95_seconds": round(quantiles[18], 3),
             "operator_peak_rss_mib": round(operator.peak_rss_bytes() / 2**20, 1),
