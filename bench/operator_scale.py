@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
+from eagle3_operator.status.observation import NOT_PROBED_YET
 from eagle3_target.protocol import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
@@ -103,7 +104,7 @@ def ready_condition(body: dict) -> dict[str, Any]:
 def is_probed(body: dict) -> bool:
     """The status holds a probe's verdict, not the first write made before any probe answered."""
     ready = ready_condition(body)
-    return bool(ready) and "not probed yet" not in ready.get("message", "")
+    return bool(ready) and NOT_PROBED_YET not in ready.get("message", "")
 
 
 def is_ready(body: dict) -> bool:

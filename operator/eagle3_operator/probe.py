@@ -24,7 +24,7 @@ from eagle3_target.protocol import HydrationProgress, LoadProgress, ServedModel,
 from pydantic import ValidationError
 
 from eagle3_operator import metrics
-from eagle3_operator.status.observation import ProbeResult
+from eagle3_operator.status.observation import NOT_PROBED_YET, ProbeResult
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
@@ -34,7 +34,7 @@ MAX_CONCURRENT_PROBES = 64
 MAX_NOT_READY_BODY = 64 * 1024  # a loading server's 503 is a few hundred bytes; anything larger is not read
 FAILURE_THRESHOLD = 3
 JITTER = 0.1  # each period is interval × (1 ± JITTER), so endpoints tracked together drift apart
-NOT_PROBED = ProbeResult(ready=False, error="not probed yet")
+NOT_PROBED = ProbeResult(ready=False, error=NOT_PROBED_YET)
 
 
 @dataclass

@@ -7,7 +7,7 @@ of a server at a pod IP.
 """
 
 import ipaddress
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -46,6 +46,11 @@ FAILURE_PRIORITY = (
 class Failure:
     reason: str
     message: str
+
+
+def most_actionable(failures: Iterable[Failure]) -> Failure | None:
+    """The failure an operator of the cluster should fix first (FAILURE_PRIORITY order), if any."""
+    return min(failures, key=lambda f: FAILURE_PRIORITY.index(f.reason), default=None)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,11 @@ class DeploymentView:
     ready_replicas: int
     updated_replicas: int
     failure: Failure | None  # ReplicaFailure or ProgressDeadlineExceeded from its conditions
+
+
+# A probe's error before its first verdict, in the prober's placeholder and so in status messages (the scale
+# bench waits until no status says it).
+NOT_PROBED_YET = "not probed yet"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One function per kind of target (an invalid spec, an external endpoint, managed pods, and the managed
 target's download and suspension), each returning a `TargetState`: the judgement plus the fields status
-reports from what it observed. The most actionable failure wins (observation.FAILURE_PRIORITY).
+reports from what it observed. The most actionable failure wins (observation.most_actionable).
 """
 
 from collections.abc import Iterable, Mapping
@@ -14,7 +14,7 @@ from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_operator.status.conditions import NOT_DEGRADED, Condition, failed, quiet
 from eagle3_operator.status.observation import (
     EPOCH,
-    FAILURE_PRIORITY,
+    NOT_PROBED_YET,
     DeploymentView,
     Failure,
     Hydration,
@@ -22,6 +22,7 @@ from eagle3_operator.status.observation import (
     PodView,
     ProbeResult,
     endpoint_address,
+    most_actionable,
     timestamp,
 )
 
@@ -145,7 +146,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     failure = _first_failure(pods, deployment, observation, spec, now)
     if len(fingerprints) > 1:  # endpoints running the same model-deciding flags answer different models
         mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {fingerprints}")
-        failure = min(failure or mismatch, mismatch, key=lambda f: FAILURE_PRIORITY.index(f.reason))
+        failure = most_actionable([mismatch] if failure is None else [failure, mismatch])
     if failure is not None:
         phase = "Degraded" if serving else "Failed"
         return TargetState(phase, failed(failure), fields, failure, available)
@@ -226,7 +227,7 @@ def _loading(pod: PodView, observation: Observation) -> str | None:
 
 
 def _probe_error(probe: ProbeResult | None) -> str:
-    return probe.error if probe is not None and probe.error else "not probed yet"
+    return probe.error if probe is not None and probe.error else NOT_PROBED_YET
 
 
 def _first_failure(
@@ -254,4 +255,4 @@ def _first_failure(
             found.append(Failure("StartupTimeout", message))
     if deployment is not None and deployment.failure is not None:
         found.append(deployment.failure)
-    return min(found, key=lambda f: FAILURE_PRIORITY.index(f.reason), default=None)
+    return most_actionable(found)
