@@ -10,7 +10,7 @@ import typer
 import yaml
 from eagle3_operator import cli
 
-from support.cluster.access import BIN_DIR, REPO
+from support.cluster.access import BIN_DIR, HELM_ENV, REPO
 
 CHART = REPO / "charts" / "eagle3-operator"
 CRD_NAME = "eagle3targets.eagle3.dev.yaml"
@@ -41,14 +41,8 @@ VALUE_SETS: dict[str, dict[str, str]] = {
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """helm without a cluster (lint, template), with its state dirs kept inside .cache."""
-    home = REPO / ".cache" / "helm"
-    env = {
-        "HELM_CACHE_HOME": f"{home}/cache",
-        "HELM_CONFIG_HOME": f"{home}/config",
-        "HELM_DATA_HOME": f"{home}/data",
-    }
     result = subprocess.run(
-        [str(BIN_DIR / "helm"), *args], capture_output=True, text=True, env=env, timeout=60
+        [str(BIN_DIR / "helm"), *args], capture_output=True, text=True, env=HELM_ENV, timeout=60
     )
     if check and result.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")

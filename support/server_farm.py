@@ -111,3 +111,9 @@ class PodServing:
         self._thread.join(timeout=10)
         for address in self.bound:
             self.farm.unbind(*address)
+
+    def __enter__(self) -> PodServing:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

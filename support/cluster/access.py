@@ -14,6 +14,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 BIN_DIR = REPO / ".cache" / "bin"
+# helm's state dirs, inside .cache, so no user state leaks in (every helm run here sets them).
+HELM_HOME = REPO / ".cache" / "helm"
+HELM_ENV = {f"HELM_{kind.upper()}_HOME": str(HELM_HOME / kind) for kind in ("cache", "config", "data")}
 
 
 @dataclass(frozen=True)
@@ -50,14 +53,7 @@ class Cluster:
         return self._run([str(self.helm_path), f"--kubeconfig={self.kubeconfig}", *args], input, check)
 
     def _run(self, argv: list[str], input: str | None, check: bool) -> subprocess.CompletedProcess[str]:
-        helm_home = REPO / ".cache" / "helm"
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "HELM_CACHE_HOME": str(helm_home / "cache"),
-            "HELM_CONFIG_HOME": str(helm_home / "config"),
-            "HELM_DATA_HOME": str(helm_home / "data"),
-        }
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **HELM_ENV}
         result = subprocess.run(argv, input=input, capture_output=True, text=True, env=env, timeout=120)
         if check and result.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stderr}")

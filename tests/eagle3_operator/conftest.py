@@ -91,8 +91,5 @@ def targets(cluster: Cluster, op_namespace: str) -> Targets:
 
 @pytest.fixture
 def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
-    serving = PodServing(targets.core, targets.namespace, servers)
-    try:
+    with PodServing(targets.core, targets.namespace, servers) as serving:
         yield serving
-    finally:
-        serving.close()

@@ -86,8 +86,7 @@ def test_token_protected_pods_are_probed_without_their_token(
 ):
     """spec.auth on managed pods: the servers want the token on the data routes, the operator never reads it
     and still sees them serve (/readyz and /v1/info are open)."""
-    serving = PodServing(targets.core, targets.namespace, auth_servers)
-    try:
+    with PodServing(targets.core, targets.namespace, auth_servers) as serving:
         port = free_port()
         serving.ports.add(port)
         token = {"metadata": {"name": "target-token"}, "stringData": {"token": "not-for-the-operator"}}
@@ -96,5 +95,3 @@ def test_token_protected_pods_are_probed_without_their_token(
         status = eventually(lambda: targets.ready_status("guarded", replicas=1), "Ready without the Secret")
         address = status["endpoints"][0]["address"]
         assert httpx.get(f"{address}/v1/weights/lm_head", timeout=5).status_code == 401
-    finally:
-        serving.close()

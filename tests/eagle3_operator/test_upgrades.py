@@ -39,11 +39,8 @@ def own(cluster: Cluster, make_namespace: Callable[[str], str]) -> Targets:
 @pytest.fixture
 def serving(own: Targets, servers: ServerFarm) -> Iterator[PodServing]:
     """Servers answering at the pods' IPs in that namespace."""
-    pods = PodServing(own.core, own.namespace, servers)
-    try:
+    with PodServing(own.core, own.namespace, servers) as pods:
         yield pods
-    finally:
-        pods.close()
 
 
 def server_image(targets: Targets, name: str) -> str:
