@@ -23,7 +23,6 @@ from support.server_process import serve_command, status_code
 # at most 2 KiB (kubelet's kuberuntime: maxContainerTerminationMessageLogLines and ...LogLength).
 FALLBACK_LOG_LINES = 80
 FALLBACK_LOG_BYTES = 2048
-DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 
 
 @dataclass
