@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import safetensors.torch
 import torch
+from eagle3_target import formats
 from eagle3_target.contract import VocabMapping
-from eagle3_target.formats import supervision
+from eagle3_target.formats import TokenSizes, supervision
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.tiny import write_tiny_model
@@ -37,15 +38,9 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def bytes_per_token(fmt: str, *, hidden: int, vocab: int, draft_vocab: int, itemsize: int) -> int:
-    """Payload bytes per token of each format (aux is 3 layers in the model dtype; no header)."""
-    aux = 3 * hidden * itemsize
-    extra = {
-        "hidden": hidden * itemsize,
-        "draft": draft_vocab * itemsize + 4 + 8,  # draft logits, fp32 logsumexp, int64 argmax
-        "probs": draft_vocab * 4 + 1,  # fp32 probabilities, bool mask
-        "logits": vocab * 4,  # fp32 (the default)
-    }[fmt]
-    return aux + extra
+    """Payload bytes per token of each format (aux is 3 layers in the model dtype, fp32 logits; no header)."""
+    sizes = TokenSizes(hidden, vocab, draft_vocab, model_itemsize=itemsize, logits_itemsize=4)
+    return formats.bytes_per_token(fmt, sizes)
 
 
 def codec_throughput(mib: int, repeats: int) -> dict[str, float]:

@@ -68,15 +68,21 @@ class ServerProcess:
 
 
 def launch(
-    log_path: Path, port: int, args: list[str], env: dict[str, str] | None = None, gpus: bool = False
+    log_path: Path,
+    port: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    gpus: bool = False,
+    program: list[str] | None = None,
 ) -> ServerProcess:
     """Start a server on a loopback port, logging to `log_path`; returns as soon as the process runs. The
-    tests run on CPU, so it sees no GPU unless `gpus` (a benchmark on a GPU machine)."""
+    tests run on CPU, so it sees no GPU unless `gpus` (a benchmark on a GPU machine). `program` replaces
+    the `eagle3-target` command (a benchmark's wrapper that takes the same arguments)."""
     hide_gpus = {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
     full_env = {**os.environ, **hide_gpus, **(env or {})}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [*serve_command(), "serve", "--host", LOOPBACK, "--port", str(port), *args],
+            [*(program or serve_command()), "serve", "--host", LOOPBACK, "--port", str(port), *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=full_env,

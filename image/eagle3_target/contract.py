@@ -6,10 +6,11 @@ with NeMo AutoModel's co-located HF backend, which is the reference the draft tr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -111,9 +112,14 @@ class VocabMapping:
 
     selected_token_ids: Tensor
     selected_token_mask: Tensor
+    _digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
+        # Taken once here, where the ids were just read anyway: asking for it later never syncs a device.
+        h = hashlib.sha256(f"V={self.vocab_size};".encode())
+        h.update(self.selected_token_ids.cpu().numpy().astype("<i8").tobytes())
+        object.__setattr__(self, "_digest", h.hexdigest())
 
     @classmethod
     def from_selected_ids(cls, ids: Tensor | Sequence[int], vocab_size: int) -> VocabMapping:
@@ -166,15 +172,17 @@ class VocabMapping:
         return self
 
     def to(self, device: torch.device | str) -> VocabMapping:
+        """The same mapping on ``device``: moved, not validated again (its content did not change)."""
         if self.selected_token_ids.device == torch.device(device):
             return self
-        return VocabMapping(self.selected_token_ids.to(device), self.selected_token_mask.to(device))
+        moved = copy.copy(self)
+        object.__setattr__(moved, "selected_token_ids", self.selected_token_ids.to(device))
+        object.__setattr__(moved, "selected_token_mask", self.selected_token_mask.to(device))
+        return moved
 
     def digest(self) -> str:
         """A stable content id (sha256 over target vocab size and ids), e.g. to key stored mappings."""
-        h = hashlib.sha256(f"V={self.vocab_size};".encode())
-        h.update(self.selected_token_ids.cpu().numpy().astype("<i8").tobytes())
-        return h.hexdigest()
+        return self._digest
 
 
 def project_to_draft_vocab(logits: Tensor, mapping: VocabMapping, loss_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -158,24 +158,64 @@ def _rebuild_probs(r: Rebuild) -> Eagle3TargetBatch:
 
 
 @dataclass(frozen=True)
+class TokenSizes:
+    """What one token's answer weighs depends on: the model's widths and the dtypes of what is shipped."""
+
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int  # 0 without a vocab mapping
+    model_itemsize: int  # hidden states and logits come in the model dtype
+    logits_itemsize: int  # the `dtype=` of the formats that take one
+
+    @property
+    def aux(self) -> int:
+        """The three captured layers, in every format."""
+        return 3 * self.hidden_size * self.model_itemsize
+
+
+@dataclass(frozen=True)
 class Computation:
-    """One format's math: server side from a chunk of full logits, client side back to the trainer's batch."""
+    """One format's math: server side from a chunk of full logits, client side back to the trainer's batch,
+    and the bytes per token of its tensors beyond the aux layers (so an answer's size is known before it is
+    computed)."""
 
     # A chunk of full logits [N, V] (model dtype) to this format's tensors for those N tokens; None for a
     # format that ships the final hidden state itself and needs no lm_head on the server.
     from_logits: Callable[[Tensor, VocabMapping | None, torch.dtype], dict[str, Tensor]] | None
     rebuild: Callable[[Rebuild], Eagle3TargetBatch]
+    extra_bytes_per_token: Callable[[TokenSizes], int]
     # The format's tensor holding the draft vocabulary, checked against the mapping when rebuilding.
     draft_vocab_tensor: str | None = None
 
 
+def _hidden_bytes(s: TokenSizes) -> int:
+    return s.hidden_size * s.model_itemsize
+
+
+def _draft_bytes(s: TokenSizes) -> int:
+    return s.draft_vocab_size * s.model_itemsize + 4 + 8  # draft logits, fp32 logsumexp, int64 argmax
+
+
+def _probs_bytes(s: TokenSizes) -> int:
+    return s.draft_vocab_size * 4 + 1  # fp32 probabilities, bool position mask
+
+
+def _logits_bytes(s: TokenSizes) -> int:
+    return s.vocab_size * s.logits_itemsize
+
+
 COMPUTATIONS: dict[str, Computation] = {
-    "hidden": Computation(None, _rebuild_hidden),
-    "draft": Computation(_draft_logits, _rebuild_draft, draft_vocab_tensor="draft_logits"),
-    "probs": Computation(_draft_probs, _rebuild_probs, draft_vocab_tensor="target_probs"),
-    "logits": Computation(_full_logits, _rebuild_logits),
-    "hidden_prenorm": Computation(None, _refuse_prenorm),
+    "hidden": Computation(None, _rebuild_hidden, _hidden_bytes),
+    "draft": Computation(_draft_logits, _rebuild_draft, _draft_bytes, draft_vocab_tensor="draft_logits"),
+    "probs": Computation(_draft_probs, _rebuild_probs, _probs_bytes, draft_vocab_tensor="target_probs"),
+    "logits": Computation(_full_logits, _rebuild_logits, _logits_bytes),
+    "hidden_prenorm": Computation(None, _refuse_prenorm, _hidden_bytes),
 }
+
+
+def bytes_per_token(fmt: str, sizes: TokenSizes) -> int:
+    """The data bytes per token of one format's answer (its safetensors header aside)."""
+    return sizes.aux + COMPUTATIONS[fmt].extra_bytes_per_token(sizes)
 
 
 def _check_format(fmt: str, mapping: VocabMapping | None) -> None:

@@ -220,3 +220,29 @@ def test_every_protocol_format_has_its_computation_and_ships_its_tensors(target)
     for fmt, meta in FORMATS.items():
         out = supervision(fmt, target["final"], target["aux"], target["lm_head"], mapping=target["mapping"])
         assert tuple(out) == meta.tensors, fmt
+
+
+def test_every_formats_size_is_known_before_it_is_computed(target):
+    """The server refuses an oversized answer from these sizes before any compute, so they must be exact."""
+    for logits_dtype in (torch.float32, torch.bfloat16):
+        out_of = {
+            fmt: supervision(
+                fmt,
+                target["prenorm"] if meta.prenorm else target["final"],
+                target["aux"],
+                target["lm_head"],
+                mapping=target["mapping"] if meta.needs_vocab else None,
+                logits_dtype=logits_dtype,
+            )
+            for fmt, meta in FORMATS.items()
+        }
+        sizes = formats.TokenSizes(
+            hidden_size=target["final"].shape[-1],
+            vocab_size=target["lm_head"].shape[0],
+            draft_vocab_size=target["mapping"].draft_vocab_size,
+            model_itemsize=target["dtype"].itemsize,
+            logits_itemsize=logits_dtype.itemsize,
+        )
+        tokens = target["input_ids"].numel()
+        for fmt, out in out_of.items():
+            assert sum(t.nbytes for t in out.values()) == tokens * formats.bytes_per_token(fmt, sizes), fmt

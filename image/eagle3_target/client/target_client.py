@@ -3,17 +3,21 @@
 Every supervision request is idempotent (a pure function of the batch and the target's fingerprint), so a
 request that fails on one endpoint is simply sent again to another: the caller gets each batch exactly once,
 from whichever replica answered, and a checked fingerprint guarantees all answers come from the same model.
+A body is read into one buffer as it arrives and the tensors are views of it; a body cut short or one that
+does not parse is such a failure too, never a silently short tensor.
 """
 
 from __future__ import annotations
 
 import email.utils
 import itertools
+import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -27,9 +31,47 @@ from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
 from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
+from eagle3_target.wire import WireFormatError
 from eagle3_target.wire.tensors import decode, encode
 
 RETRYABLE_STATUS = (429, 503)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One endpoint's whole answer: status, headers and the body in one writable buffer."""
+
+    url: str
+    status_code: int
+    headers: httpx.Headers
+    body: memoryview
+
+    def json(self) -> Any:
+        return json.loads(bytes(self.body))
+
+
+def read_body(response: httpx.Response) -> memoryview:
+    """The body of a streamed response in one preallocated buffer, filled as the chunks arrive.
+
+    The buffer is uninitialised memory (no zero-filling pass over a large body); a body shorter or longer
+    than its Content-Length is a `httpx.RemoteProtocolError`, retried like any broken connection.
+    """
+    declared = response.headers.get("content-length")
+    if declared is None or "content-encoding" in response.headers:
+        return memoryview(bytearray(response.read()))
+    size = int(declared)
+    view = torch.empty(size, dtype=torch.uint8).numpy().data
+    filled = 0
+    for chunk in response.iter_raw():
+        end = filled + len(chunk)
+        if end > size:
+            raise httpx.RemoteProtocolError(f"body longer than its Content-Length of {size} bytes")
+        view[filled:end] = chunk
+        filled = end
+    if filled != size:
+        raise httpx.RemoteProtocolError(f"body ended after {filled} of its {size} bytes")
+    return view
 
 
 class TargetClient:
@@ -110,9 +152,8 @@ class TargetClient:
         with self._lock:
             if self._info is not None:
                 return self._info
-        response = self._request("GET", "/v1/info")
-        info = TargetInfo.model_validate_json(response.content)
-        self._check_fingerprint(info.fingerprint, str(response.url))
+        info, url = self._request("GET", "/v1/info", parse=_parse_info)
+        self._check_fingerprint(info.fingerprint, url)
         with self._lock:
             self._info = info
         return info
@@ -124,7 +165,7 @@ class TargetClient:
         with self._lock:
             if name in self._weights:
                 return self._weights[name]
-        tensors = self._decode(self._request("GET", f"/v1/weights/{name}"))
+        tensors = self._tensors("GET", f"/v1/weights/{name}")
         weight = tensors["weight"].to(self.device)
         with self._lock:
             self._weights[name] = weight
@@ -163,8 +204,8 @@ class TargetClient:
             {"format": format} | ({"vocab": vocab} if vocab else {}) | ({"dtype": dtype} if dtype else {})
         )
         body = encode(tensors)
-        response = self._request("POST", "/v1/supervision", params=params, content=body, vocab=vocab)
-        return {k: v.to(self.device) for k, v in self._decode(response).items()}
+        tensors = self._tensors("POST", "/v1/supervision", params=params, content=body, vocab=vocab)
+        return {k: v.to(self.device) for k, v in tensors.items()}
 
     def batch(
         self,
@@ -225,8 +266,26 @@ class TargetClient:
 
     # --- the request loop ------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, vocab: str | None = None, **kwargs: Any) -> httpx.Response:
-        """Send until an endpoint answers 2xx: fail over on connection errors, 429 and 503, with back-off."""
+    def _tensors(self, method: str, path: str, **kwargs: Any) -> dict[str, Tensor]:
+        """A safetensors answer's tensors (views of its body), its fingerprint checked."""
+        (tensors, metadata), url = self._request(method, path, parse=_parse_tensors, **kwargs)
+        fingerprint = metadata.get("fingerprint")
+        if fingerprint is not None:
+            self._check_fingerprint(fingerprint, url)
+        return tensors
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        parse: Callable[[memoryview], T],
+        vocab: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[T, str]:
+        """Send until an endpoint answers 2xx with a body that ``parse`` accepts: fail over on connection
+        errors (a body cut short among them), 429, 503 and unparseable bodies, with back-off. Returns the
+        parsed body and the URL that answered."""
         started = time.monotonic()
         last_problem, attempts = "no attempt made", 0
         for attempt in range(self.max_attempts) if self.max_attempts is not None else itertools.count():
@@ -240,49 +299,51 @@ class TargetClient:
             self._count("requests")
             attempts += 1
             try:
-                response = self._send(method, url, path, vocab, kwargs)
+                reply = self._send(method, url, path, vocab, kwargs)
             except httpx.TransportError as exc:
                 self._count("connection_errors")
                 last_problem = f"{url}: {type(exc).__name__}: {exc}"
                 self.pool.failed(url)
                 continue
-            if response.status_code in RETRYABLE_STATUS:
-                self._count(f"status_{response.status_code}")
-                last_problem = f"{url}: HTTP {response.status_code} {_error_text(response)}"
-                self.pool.failed(url, _retry_after_s(response))
+            if reply.status_code in RETRYABLE_STATUS:
+                self._count(f"status_{reply.status_code}")
+                last_problem = f"{url}: HTTP {reply.status_code} {_error_text(reply)}"
+                self.pool.failed(url, _retry_after_s(reply))
                 continue
-            if response.status_code >= 400:
-                raise RequestRejected(response.status_code, _error_type(response), _error_text(response))
+            if reply.status_code >= 400:
+                raise RequestRejected(reply.status_code, _error_type(reply), _error_text(reply))
+            try:
+                parsed = parse(reply.body)
+            except ValueError as exc:  # WireFormatError and pydantic's ValidationError among them
+                self._count("corrupt_responses")
+                last_problem = f"{url}: unreadable answer: {exc}"
+                self.pool.failed(url)
+                continue
             self.pool.succeeded(url)
-            self._count("bytes_received", len(response.content))
-            return response
+            self._count("bytes_received", reply.body.nbytes)
+            return parsed, reply.url
         raise TargetUnavailable(
             f"{method} {path} failed on every endpoint of {list(self.pool.urls)} after "
             f"{attempts} attempts in {time.monotonic() - started:.1f}s; last: {last_problem}"
         )
 
-    def _send(
-        self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]
-    ) -> httpx.Response:
+    def _send(self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]) -> Reply:
         """One attempt on one endpoint; teaches it the draft vocabulary first if it does not know it yet."""
-        response = self._http.request(method, url + path, **kwargs)
+        reply = self._exchange(method, url + path, **kwargs)
         mapping = self._vocabs.get(vocab) if vocab else None
-        if response.status_code == 404 and mapping is not None and _error_type(response) == "not_found":
+        if reply.status_code == 404 and mapping is not None and _error_type(reply) == "not_found":
             # A restarted or newly added replica: register the mapping and send the same batch again.
             self._count("vocab_registrations")
             body = encode({"selected_token_ids": mapping.selected_token_ids.cpu().contiguous()})
-            registered = self._http.put(f"{url}/v1/vocab-mappings/{vocab}", content=body)
+            registered = self._exchange("PUT", f"{url}/v1/vocab-mappings/{vocab}", content=body)
             if registered.status_code >= 400:
                 return registered
-            response = self._http.request(method, url + path, **kwargs)
-        return response
+            reply = self._exchange(method, url + path, **kwargs)
+        return reply
 
-    def _decode(self, response: httpx.Response) -> dict[str, Tensor]:
-        tensors, metadata = decode(response.content)
-        fingerprint = (metadata or {}).get("fingerprint")
-        if fingerprint is not None:
-            self._check_fingerprint(fingerprint, str(response.url))
-        return tensors
+    def _exchange(self, method: str, url: str, **kwargs: Any) -> Reply:
+        with self._http.stream(method, url, **kwargs) as response:
+            return Reply(str(response.url), response.status_code, response.headers, read_body(response))
 
     def _check_fingerprint(self, fingerprint: str | None, source: str) -> None:
         """Pin the first fingerprint seen; a different one later is a different target."""
@@ -324,21 +385,34 @@ class TargetClient:
             self.pool.replace(target.urls)
 
 
-def _error_type(response: httpx.Response) -> str:
+def _parse_info(body: memoryview) -> TargetInfo:
+    return TargetInfo.model_validate_json(bytes(body))
+
+
+def _parse_tensors(body: memoryview) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
-        return str(response.json()["error"]["type"])
+        return decode(body)
+    except WireFormatError:
+        raise
+    except (RuntimeError, OverflowError) as exc:  # torch refusing a view the header describes
+        raise WireFormatError(str(exc)) from exc
+
+
+def _error_type(reply: Reply) -> str:
+    try:
+        return str(reply.json()["error"]["type"])
     except (ValueError, KeyError, TypeError):
         return "http_error"
 
 
-def _error_text(response: httpx.Response) -> str:
+def _error_text(reply: Reply) -> str:
     try:
-        return str(response.json()["error"]["message"])
+        return str(reply.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return response.text[:200]
+        return bytes(reply.body[:200]).decode("utf-8", "replace")
 
 
-def _retry_after_s(response: httpx.Response) -> float | None:
+def _retry_after_s(response: Reply) -> float | None:
     """Retry-After as seconds (delta-seconds or an HTTP date), or None when absent or unreadable."""
     value = response.headers.get("retry-after")
     if value is None:

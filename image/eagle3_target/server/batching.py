@@ -3,7 +3,8 @@
 Runners are not re-entrant (HF capture hooks, vLLM's engine), so exactly one thread calls them. The event
 loop only enqueues and awaits. A job is coalesced with later queued jobs that have the same ``batch_key``
 (same computation: kind, format, dtype, vocab mapping) and the same sequence length, up to
-``max_batch_tokens``; the combined output is split back by rows, so each request gets only its own rows.
+``max_batch_tokens``; the combined output is split back by rows, so each request gets only its own rows,
+and each request's rows start their way to the host (`staging`) before the next batch runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.staging import to_host
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,8 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class EngineJob:
-    """One request's engine work: ``compute`` maps [B,S] inputs to outputs whose dim 0 is B."""
+    """One request's engine work: ``compute`` maps [B,S] inputs to outputs whose dim 0 is B, on any device;
+    the future resolves to them as `staging.HostOutputs`."""
 
     batch_key: Hashable
     inputs: Tensors
@@ -139,4 +142,4 @@ class EngineWorker:
             jobs[0].future.set_exception(exc)
             return
         for job, result in zip(jobs, results, strict=True):
-            job.future.set_result(result)
+            job.future.set_result(to_host(result))

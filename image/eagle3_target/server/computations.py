@@ -15,7 +15,11 @@ from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.server.batching import Tensors
+from eagle3_target.server.errors import PayloadTooLarge
 from eagle3_target.server.target import LoadedTarget
+
+# Room for an answer's framing (safetensors header, NeMo's per-entry framing) beside its tensors' data.
+_FRAMING_BYTES = 4096
 
 
 def weight_tensor(target: LoadedTarget, name: str) -> Tensor:
@@ -31,7 +35,8 @@ def weight_tensor(target: LoadedTarget, name: str) -> Tensor:
 def supervision_compute(
     target: LoadedTarget, fmt: str, logits_dtype: torch.dtype, mapping: VocabMapping | None
 ) -> Callable[[Tensors], Tensors]:
-    """The native ``/v1/supervision`` computation for one format; outputs on the CPU, unshifted."""
+    """The native ``/v1/supervision`` computation for one format; outputs unshifted, on the target's device
+    (the worker brings them to the host off the engine's path)."""
 
     def compute(inputs: Tensors) -> Tensors:
         input_ids = inputs["input_ids"].to(target.device)
@@ -42,12 +47,50 @@ def supervision_compute(
         out = formats.supervision(
             fmt, final_hidden, aux, target.runner.lm_head_weight(), mapping=mapping, logits_dtype=logits_dtype
         )
-        return {name: tensor.cpu() for name, tensor in out.items()}
+        return out
 
     return compute
 
 
 NEMO_SUPERVISION_KEYS = ("aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask")
+# /generate ships the `probs` format's tensors plus the shifted int64 input ids and loss mask.
+_NEMO_EXTRA_BYTES_PER_TOKEN = 8 + 8
+
+
+def _token_sizes(
+    target: LoadedTarget, mapping: VocabMapping | None, logits_dtype: torch.dtype
+) -> formats.TokenSizes:
+    info = target.info
+    return formats.TokenSizes(
+        hidden_size=info.hidden_size,
+        vocab_size=info.vocab_size,
+        draft_vocab_size=mapping.draft_vocab_size if mapping is not None else 0,
+        model_itemsize=getattr(torch, info.dtype).itemsize,
+        logits_itemsize=logits_dtype.itemsize,
+    )
+
+
+def supervision_answer_bytes(
+    target: LoadedTarget, fmt: str, tokens: int, mapping: VocabMapping | None, logits_dtype: torch.dtype
+) -> int:
+    """The size of the ``/v1/supervision`` answer for ``tokens`` tokens, framing included (an upper bound)."""
+    return tokens * formats.bytes_per_token(fmt, _token_sizes(target, mapping, logits_dtype)) + _FRAMING_BYTES
+
+
+def nemo_answer_bytes(target: LoadedTarget, tokens: int, mapping: VocabMapping) -> int:
+    """The size of NeMo's ``/generate`` answer for ``tokens`` tokens, framing included (an upper bound)."""
+    per_token = formats.bytes_per_token("probs", _token_sizes(target, mapping, torch.float32))
+    return tokens * (per_token + _NEMO_EXTRA_BYTES_PER_TOKEN) + _FRAMING_BYTES
+
+
+def refuse_oversized(answer_bytes: int, limit: int, tokens: int) -> None:
+    """413 before any compute when an answer would not fit the per-request limit."""
+    if answer_bytes > limit:
+        raise PayloadTooLarge(
+            f"the answer for {tokens} tokens would be {answer_bytes} bytes, over this server's limit of "
+            f"{limit} bytes per response (--max-response-bytes): send fewer tokens per request",
+            details={"response_bytes": answer_bytes, "max_response_bytes": limit},
+        )
 
 
 def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callable[[Tensors], Tensors]:
@@ -73,6 +116,6 @@ def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callab
             batch = formats.batch_from_supervision(
                 "probs", probs, input_ids, attention_mask, loss_mask, mapping=mapping
             )
-        return {name: getattr(batch, name).cpu() for name in NEMO_SUPERVISION_KEYS}
+        return {name: getattr(batch, name) for name in NEMO_SUPERVISION_KEYS}
 
     return compute

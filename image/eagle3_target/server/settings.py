@@ -15,6 +15,12 @@ ENV_PREFIX = "EAGLE3_TARGET_"
 # Input tensors are int64 [B,S]: ids plus attention and loss masks, and headroom for safetensors headers.
 _BODY_BYTES_PER_TOKEN = 3 * 8
 _BODY_SLACK_BYTES = 64 * 1024
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**30
+# cgroup v2, then v1 (which reports "no limit" as a huge number).
+_CGROUP_MEMORY_LIMITS = (
+    ("/sys/fs/cgroup/memory.max", 2**62),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", 2**62),
+)
 
 
 def _words(value: object) -> object:
@@ -51,7 +57,24 @@ class ServerSettings(BaseSettings):
     )
     max_batch_tokens: int = Field(32768, description="Most tokens per request and per engine batch.")
     max_queue: int = Field(64, description="Requests that may wait for the engine; more get 429.")
+    max_response_bytes: int | None = Field(
+        None,
+        description="Largest answer one request may get, in bytes; bigger ones get 413 before any compute "
+        "(default: a quarter of the container's memory limit, at most 4 GiB).",
+    )
     max_vocab_mappings: int = Field(64, description="Draft vocabularies kept; the least recently used goes.")
+    request_header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection has to send a request's headers, else it is closed."
+    )
+    request_body_timeout: float = Field(
+        60.0, gt=0, description="Seconds a request's body has to arrive after its headers, else it is closed."
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="Connections served at once (lowered to fit the open-file limit); beyond them a few more "
+        "may ask /healthz, /readyz and /metrics, and the rest get 503.",
+    )
     auth_token_file: Path | None = Field(None, description="Require this bearer token.")
     trust_remote_code: bool = False
     model_name: str | None = Field(None, description="Name in /v1/info.")
@@ -86,7 +109,12 @@ class ServerSettings(BaseSettings):
         return value
 
     @field_validator(
-        "tensor_parallel_size", "max_batch_tokens", "max_queue", "max_vocab_mappings", "max_model_len"
+        "tensor_parallel_size",
+        "max_batch_tokens",
+        "max_queue",
+        "max_vocab_mappings",
+        "max_model_len",
+        "max_response_bytes",
     )
     @classmethod
     def _positive(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -109,6 +137,28 @@ class ServerSettings(BaseSettings):
     def token_body_limit(self) -> int:
         """Largest accepted body for routes that take token batches."""
         return _BODY_BYTES_PER_TOKEN * self.max_batch_tokens + _BODY_SLACK_BYTES
+
+    @property
+    def response_byte_limit(self) -> int:
+        """``--max-response-bytes``, else what fits the container: the answer is held in host memory (up to
+        1.5 times, while it streams) beside the model, the queue and the other clients' answers."""
+        if self.max_response_bytes is not None:
+            return self.max_response_bytes
+        memory = container_memory_limit()
+        return DEFAULT_MAX_RESPONSE_BYTES if memory is None else min(DEFAULT_MAX_RESPONSE_BYTES, memory // 4)
+
+
+def container_memory_limit() -> int | None:
+    """The cgroup's memory limit in bytes (v2, else v1), or None when unlimited or unknown."""
+    for path, unlimited in _CGROUP_MEMORY_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text == "max" or not text.isdigit() or int(text) >= unlimited:
+            return None
+        return int(text)
+    return None
 
 
 def describe(error: ValidationError) -> str:

@@ -7,6 +7,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from starlette.concurrency import run_in_threadpool
+
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import LoadPhase
 from eagle3_target.runners import InvalidInput, ModelRefused
@@ -15,6 +17,7 @@ from eagle3_target.server.errors import NotReady, TooManyRequests, Unprocessable
 from eagle3_target.server.loading import LoadFailed, LoadTracker, failure_line, write_termination_message
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
+from eagle3_target.server.staging import HostOutputs
 from eagle3_target.server.target import LoadedTarget, load_target
 from eagle3_target.server.vocab_store import LruDict, NemoMappingBindings
 
@@ -31,7 +34,7 @@ class ServerState:
             max_queue=settings.max_queue, max_batch_tokens=settings.max_batch_tokens, metrics=self.metrics
         )
         self.mappings: LruDict[VocabMapping] = LruDict(settings.max_vocab_mappings)
-        self.nemo_bindings = NemoMappingBindings()
+        self.nemo_bindings = NemoMappingBindings(self.mappings)
         self.target: LoadedTarget | None = None
         self.loading = LoadTracker()
         # Called (from the loader thread) once a load has failed: the CLI stops the server then, which
@@ -77,7 +80,8 @@ class ServerState:
         raise NotReady(f"model is loading: {progress.message}", headers={"Retry-After": "5"}, details=details)
 
     async def run_on_engine(self, job: EngineJob) -> Tensors:
-        """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result.
+        """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result, on the
+        host (a device-to-host copy still in flight is waited for on a pool thread, not the event loop).
 
         The server validates first, but an engine can be stricter (vLLM's row length): what a runner
         refuses as ``InvalidInput`` is the client's fault (422). Any other exception is the server's and
@@ -88,6 +92,7 @@ class ServerState:
         except QueueFull as exc:
             raise TooManyRequests(str(exc), headers={"Retry-After": "1"}) from exc
         try:
-            return await asyncio.wrap_future(future)
+            outputs: HostOutputs = await asyncio.wrap_future(future)
         except InvalidInput as exc:
             raise Unprocessable(f"the engine refused the batch: {exc}") from exc
+        return await run_in_threadpool(outputs.wait) if outputs.pending else outputs.tensors

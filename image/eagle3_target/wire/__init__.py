@@ -1,14 +1,17 @@
 """Wire codecs for tensors over HTTP: safetensors (the native API) and NeMo's remote-target format.
 
-Both decoders treat the body as untrusted: every length and shape is checked against the bytes actually
-present before anything is allocated, and a malformed body raises `WireFormatError` (a ValueError) with a
-message the server can return as a 400.
+Both encoders produce a `Payload`: the body as its segments (a few bytes of framing, then each tensor's
+own memory), so a server streams a body without ever joining it. Both decoders treat the body as
+untrusted: every length and shape is checked against the bytes actually present before anything is
+allocated, and a malformed body raises `WireFormatError` (a ValueError) with a message the server can
+return as a 400.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,6 +63,36 @@ def checked_nbytes(shape: Sequence[int], itemsize: int, what: str) -> int:
 
 
 def raw_bytes(t: Tensor) -> memoryview:
-    """The contiguous CPU bytes of a tensor, as a memoryview (no copy when already contiguous on CPU)."""
+    """The contiguous CPU bytes of a tensor, as a flat byte memoryview (no copy when already contiguous on
+    CPU). The view keeps the tensor's storage alive."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+
+
+@dataclass(frozen=True)
+class Payload:
+    """An encoded body as the byte segments it is made of, in order, never joined on the server.
+
+    Framing segments are small `bytes`; data segments are views of the tensors' own memory, so the body
+    costs no memory beyond the tensors and can be written to a socket piece by piece.
+    """
+
+    segments: tuple[memoryview, ...]
+
+    @classmethod
+    def of(cls, parts: Sequence[bytes | memoryview]) -> Payload:
+        return cls(tuple(memoryview(part).cast("B") for part in parts if len(part)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.nbytes for segment in self.segments)
+
+    def chunks(self, size: int) -> Iterator[memoryview]:
+        """The body in pieces of at most ``size`` bytes, each a view (no copy)."""
+        for segment in self.segments:
+            for start in range(0, segment.nbytes, size):
+                yield segment[start : start + size]
+
+    def tobytes(self) -> bytes:
+        """The whole body in one buffer (one copy): for request bodies and tests, not for responses."""
+        return b"".join(self.segments)

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from eagle3_target.wire import WireFormatError, as_byte_tensor, checked_nbytes, raw_bytes, tensor_at
+from eagle3_target.wire import (
+    Payload,
+    WireFormatError,
+    as_byte_tensor,
+    checked_nbytes,
+    raw_bytes,
+    tensor_at,
+)
 
 MAGIC = 0x4E4D4554
 DTYPE_CODES: dict[int, torch.dtype] = {
@@ -36,7 +43,12 @@ _U64 = struct.Struct("<Q")
 
 
 def encode(tensors: Mapping[str, Tensor | None]) -> bytes:
-    """Serialize in NeMo's format (tensors are moved to CPU), copying each tensor's data once."""
+    """Serialize in NeMo's format in one buffer (small bodies: requests, tests)."""
+    return encode_payload(tensors).tobytes()
+
+
+def encode_payload(tensors: Mapping[str, Tensor | None]) -> Payload:
+    """NeMo's body as segments: each entry's small framing, then the tensor's own bytes (moved to CPU)."""
     parts: list[bytes | memoryview] = [_U32.pack(MAGIC)]
     for key, t in tensors.items():
         key_bytes = key.encode("utf-8")
@@ -52,7 +64,7 @@ def encode(tensors: Mapping[str, Tensor | None]) -> bytes:
         data = raw_bytes(t)
         parts.append(struct.pack(f"<BBB{t.dim()}qQ", 0, code, t.dim(), *t.shape, data.nbytes))
         parts.append(data)
-    return b"".join(parts)
+    return Payload.of(parts)
 
 
 class _Reader:

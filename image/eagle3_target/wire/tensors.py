@@ -1,8 +1,9 @@
 """Safetensors bodies <-> tensors: the native API's wire format.
 
 We write and parse the (simple, documented) safetensors layout ourselves because the library's in-memory
-API copies every tensor two or three times; here encoding copies each tensor once into the body and
-decoding returns views into it. Output is byte-compatible with `safetensors.torch.save`/`load`.
+API copies every tensor two or three times; here encoding copies nothing (the `Payload` views each tensor's
+memory after a small header) and decoding returns views into the body. Output is byte-compatible with
+`safetensors.torch.save`/`load`.
 Layout: u64 little-endian header length N, N bytes of JSON header (padded with spaces to a multiple of 8),
 then the data; each header entry is {"dtype", "shape", "data_offsets": [begin, end]} relative to the data.
 """
@@ -17,26 +18,36 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3_target.wire import WireFormatError, as_byte_tensor, checked_nbytes, raw_bytes, tensor_at
+from eagle3_target.wire import (
+    Payload,
+    WireFormatError,
+    as_byte_tensor,
+    checked_nbytes,
+    raw_bytes,
+    tensor_at,
+)
 
+# In the order the safetensors library lays tensors out (its dtype enum, descending; then by name), which
+# also keeps every tensor aligned to its element size.
 DTYPES: dict[str, torch.dtype] = {
+    "U64": torch.uint64,
+    "I64": torch.int64,
     "F64": torch.float64,
     "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
     "U32": torch.uint32,
+    "I32": torch.int32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
     "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "I16": torch.int16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_RANKS = {dtype: rank for rank, dtype in enumerate(DTYPES.values())}
 METADATA_KEY = "__metadata__"
 _ALIGN = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -45,9 +56,13 @@ MAX_NDIM = 32
 
 
 def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """Serialize to safetensors bytes, copying each tensor's data exactly once."""
-    # Larger element sizes first keep every tensor aligned to its element size, as the library does.
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    """Serialize to safetensors bytes in one buffer (small bodies: requests, tests)."""
+    return encode_payload(tensors, metadata).tobytes()
+
+
+def encode_payload(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = None) -> Payload:
+    """The safetensors body as segments: the length-prefixed header, then each tensor's own bytes."""
+    order = sorted(tensors, key=lambda name: (_RANKS.get(tensors[name].dtype, -1), name))
     header: dict[str, Any] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -69,9 +84,10 @@ def encode(tensors: Mapping[str, Tensor], metadata: Mapping[str, str] | None = N
         }
         parts.append(data)
         offset += data.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    # Non-ASCII as UTF-8, as the library (serde_json) writes it, so the bytes are the library's own.
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % _ALIGN)
-    return b"".join([struct.pack("<Q", len(text)), text, *parts])
+    return Payload.of([struct.pack("<Q", len(text)), text, *parts])
 
 
 def _parse_header(text: bytes) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 from eagle3_target.wire import WireFormatError
-from eagle3_target.wire.nemo import DTYPE_CODES, MAGIC, decode, encode
+from eagle3_target.wire.nemo import DTYPE_CODES, MAGIC, decode, encode, encode_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -199,3 +199,10 @@ def test_corrupted_bodies_decode_or_raise_wire_format_error(data):
     except WireFormatError:
         return
     assert sum(t.numel() * t.element_size() for t in decoded.values() if t is not None) <= len(body)
+
+
+def test_the_payload_streams_the_same_bytes_in_chunks():
+    tensors = {"aux": torch.randn(3, 5), "none": None, "ids": torch.arange(7)}
+    payload = encode_payload(tensors)
+    assert b"".join(bytes(piece) for piece in payload.chunks(4)) == encode(tensors)
+    assert payload.nbytes == len(encode(tensors))

@@ -7,7 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 from eagle3_target.wire import WireFormatError
-from eagle3_target.wire.tensors import DTYPES, decode, encode
+from eagle3_target.wire.tensors import DTYPES, decode, encode, encode_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,3 +192,23 @@ def test_corrupted_bodies_decode_or_raise_wire_format_error(data):
     except WireFormatError:
         return
     assert sum(t.numel() * t.element_size() for t in tensors.values()) <= cut
+
+
+@settings(max_examples=30, deadline=None)
+@given(TENSOR_DICTS, st.integers(1, 64))
+def test_the_payload_is_the_librarys_file_in_chunks_that_view_the_tensors(specs, chunk):
+    tensors = {name: _random_tensor(dtype, shape, seed) for name, (dtype, shape, seed) in specs.items()}
+    payload = encode_payload(tensors, {"format": "pt"})
+    streamed = b"".join(bytes(piece) for piece in payload.chunks(chunk))
+    assert all(piece.nbytes <= chunk for piece in payload.chunks(chunk))
+    assert payload.nbytes == len(streamed)
+    assert streamed == safetensors.torch.save(tensors, {"format": "pt"})
+
+
+def test_payload_segments_share_the_tensors_memory():
+    tensor = torch.arange(1 << 16, dtype=torch.float32)
+    payload = encode_payload({"x": tensor})
+    data = payload.segments[-1]
+    assert data.nbytes == tensor.nbytes and not data.readonly
+    tensor[0] = 42.0  # the body sees the tensor's own storage: nothing was copied
+    assert bytes(data[:4]) == tensor[:1].numpy().tobytes()

@@ -11,13 +11,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from eagle3_target.contract import VocabMapping
-from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, OCTET_STREAM, WEIGHT_NAMES, TargetInfo
+from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.computations import supervision_compute, weight_tensor
+from eagle3_target.server.computations import (
+    refuse_oversized,
+    supervision_answer_bytes,
+    supervision_compute,
+    weight_tensor,
+)
 from eagle3_target.server.deps import StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
+from eagle3_target.server.streaming import PayloadResponse
 from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.wire import tensors as tensor_wire
 
@@ -76,6 +82,9 @@ async def supervision(
         )
     )
     logits_dtype = getattr(torch, dtype or LOGITS_DTYPES[0])
+    tokens = inputs["input_ids"].numel()
+    answer_bytes = supervision_answer_bytes(target, format, tokens, mapping, logits_dtype)
+    refuse_oversized(answer_bytes, state.settings.response_byte_limit, tokens)
     job = EngineJob(
         batch_key=("supervision", format, logits_dtype, mapping.digest() if mapping else None),
         inputs=inputs,
@@ -89,9 +98,9 @@ async def supervision(
     }
     if vocab is not None:
         metadata["vocab"] = vocab
-    payload = await run_in_threadpool(tensor_wire.encode, outputs, metadata)
-    state.metrics.count_response(format, tokens=job.tokens, size=len(payload))
-    return Response(payload, media_type=OCTET_STREAM)
+    payload = await run_in_threadpool(tensor_wire.encode_payload, outputs, metadata)
+    state.metrics.count_response(format, tokens=job.tokens, size=payload.nbytes)
+    return PayloadResponse(payload)
 
 
 @router.put("/v1/vocab-mappings/{mapping_id}")
@@ -101,16 +110,21 @@ async def put_vocab_mapping(
     if not _MAPPING_ID.match(mapping_id):
         raise Unprocessable("vocab mapping ids are 1-128 characters of [A-Za-z0-9._-]")
     body = await read_body_capped(request, mapping_body_limit(target.info.vocab_size))
-    tensors = await run_in_threadpool(decode_safetensors, body)
-    if set(tensors) != {"selected_token_ids"}:
-        raise Unprocessable(f"expected exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
-    ids = tensors["selected_token_ids"]
-    if ids.dtype != torch.int64:
-        raise Unprocessable(f"selected_token_ids must be int64, got {ids.dtype}")
-    try:
-        mapping = VocabMapping.from_selected_ids(ids, target.info.vocab_size).to(target.device)
-    except ValueError as exc:
-        raise Unprocessable(str(exc)) from exc
+
+    def build() -> VocabMapping:
+        """Validated (and its digest taken) on the host, then moved to the target's device once."""
+        tensors = decode_safetensors(body)
+        if set(tensors) != {"selected_token_ids"}:
+            raise Unprocessable(f"expected exactly one tensor 'selected_token_ids', got {sorted(tensors)}")
+        ids = tensors["selected_token_ids"]
+        if ids.dtype != torch.int64:
+            raise Unprocessable(f"selected_token_ids must be int64, got {ids.dtype}")
+        try:
+            return VocabMapping.from_selected_ids(ids, target.info.vocab_size).to(target.device)
+        except ValueError as exc:
+            raise Unprocessable(str(exc)) from exc
+
+    mapping = await run_in_threadpool(build)
     state.mappings.put(mapping_id, mapping)
     return JSONResponse(
         {"id": mapping_id, "draft_vocab_size": mapping.draft_vocab_size, "digest": mapping.digest()}
@@ -124,7 +138,4 @@ async def weights(name: str, state: StateDep) -> Response:
     target = state.require_target()  # after the name check: an unknown weight is 404 even while loading
     weight = await run_in_threadpool(weight_tensor, target, name)
     metadata = {"name": name, "fingerprint": target.info.fingerprint}
-    return Response(
-        await run_in_threadpool(tensor_wire.encode, {"weight": weight}, metadata),
-        media_type=OCTET_STREAM,
-    )
+    return PayloadResponse(await run_in_threadpool(tensor_wire.encode_payload, {"weight": weight}, metadata))

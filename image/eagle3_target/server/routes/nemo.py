@@ -16,15 +16,21 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from eagle3_target.contract import VocabMapping
-from eagle3_target.protocol import OCTET_STREAM
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.computations import nemo_generate_compute, weight_tensor
+from eagle3_target.server.computations import (
+    nemo_answer_bytes,
+    nemo_generate_compute,
+    refuse_oversized,
+    weight_tensor,
+)
 from eagle3_target.server.deps import StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
+from eagle3_target.server.streaming import PayloadResponse
 from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.server.vocab_store import UnboundConnection
+from eagle3_target.wire import Payload
 from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
@@ -66,29 +72,33 @@ async def model_info(target: TargetDep) -> dict[str, object]:
 @router.post("/input_embeddings")
 async def input_embeddings(target: TargetDep) -> Response:
 
-    def encode() -> bytes:
-        return nemo_wire.encode({"weight": weight_tensor(target, "input_embeddings")})
+    def encode() -> Payload:
+        return nemo_wire.encode_payload({"weight": weight_tensor(target, "input_embeddings")})
 
-    return Response(await run_in_threadpool(encode), media_type=OCTET_STREAM)
+    return PayloadResponse(await run_in_threadpool(encode))
 
 
 @router.post("/set_vocab_mapping")
 async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep) -> dict[str, str]:
     limit = mapping_body_limit(target.info.vocab_size)
     body = await read_body_capped(request, limit)
-    tensors = await run_in_threadpool(decode_nemo_wire, body, limit)
-    missing = {"selected_token_ids", "selected_token_mask"} - set(tensors)
-    if missing:
-        raise Unprocessable(f"missing tensors {sorted(missing)}")
-    mask = tensors["selected_token_mask"]
-    if mask.numel() != target.info.vocab_size:
-        raise Unprocessable(
-            f"selected_token_mask has {mask.numel()} entries, the target vocab is {target.info.vocab_size}"
-        )
-    try:
-        mapping = VocabMapping(tensors["selected_token_ids"], mask).to(target.device)
-    except ValueError as exc:
-        raise Unprocessable(str(exc)) from exc
+
+    def build() -> VocabMapping:
+        """Validated (and its digest taken) on the host, then moved to the target's device once."""
+        tensors = decode_nemo_wire(body, limit)
+        missing = {"selected_token_ids", "selected_token_mask"} - set(tensors)
+        if missing:
+            raise Unprocessable(f"missing tensors {sorted(missing)}")
+        mask = tensors["selected_token_mask"]
+        if mask.numel() != target.info.vocab_size:
+            vocab = target.info.vocab_size
+            raise Unprocessable(f"selected_token_mask has {mask.numel()} entries, target vocab {vocab}")
+        try:
+            return VocabMapping(tensors["selected_token_ids"], mask).to(target.device)
+        except ValueError as exc:
+            raise Unprocessable(str(exc)) from exc
+
+    mapping = await run_in_threadpool(build)
     mapping_id = mapping.digest()
     state.mappings.put(mapping_id, mapping)
     host, port = peer(request)
@@ -119,14 +129,15 @@ async def generate(request: Request, state: StateDep, target: TargetDep) -> Resp
         )
 
     inputs = await run_in_threadpool(decode)
+    tokens = inputs["input_ids"].numel()
+    refuse_oversized(nemo_answer_bytes(target, tokens, mapping), state.settings.response_byte_limit, tokens)
     job = EngineJob(
         batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
     )
     outputs = await state.run_on_engine(job)
-    payload = await run_in_threadpool(nemo_wire.encode, outputs)
-    state.metrics.tokens.inc(job.tokens)
-    state.metrics.response_bytes.labels(format="nemo").inc(len(payload))
-    return Response(payload, media_type=OCTET_STREAM)
+    payload = await run_in_threadpool(nemo_wire.encode_payload, outputs)
+    state.metrics.count_response("nemo", tokens=job.tokens, size=payload.nbytes)
+    return PayloadResponse(payload)
 
 
 @router.post("/heartbeat")

@@ -1,0 +1,305 @@
+"""Data-plane throughput: how fast the server ships supervision when the engine costs nothing.
+
+    .venv/bin/python -m bench.data_plane [--shape 8b|70b] [--batch 4] [--seq 2048] [--reps 4] [--rounds 2]
+
+A real `eagle3-target serve` (HF engine) runs a model with a real model's widths (Llama-3.1-8B: hidden
+4096; 70B: 8192; one attention head and a tiny MLP, so the weights stay small) whose `forward_hidden`
+returns ready bf16 tensors: what is measured is the server, the wire and the client, not the model.
+Requests are `format=hidden`, --batch x --seq tokens (268 MB each at 8B sizes). Prints one JSON object:
+- loopback_tcp_gbps: one TCP stream over 127.0.0.1 between two processes (sendall / recv_into), this run;
+- raw_c1_gbps: one client reading the body with plain sockets into a preallocated buffer, no decode;
+- client_c1 / client_c4: `TargetClient.supervise` in 1 and 4 client processes (read, decode): GB/s and
+  tokens/s summed over the clients;
+- ratios: raw and TargetClient over loopback TCP, 4 clients over 1 (goals: >= 0.5, >= 0.4, >= 0.9);
+- readyz_seconds: p50 / p99 / max of `/readyz` (a fresh connection each time, as kubelet probes) while 4
+  clients pull (goal <= 0.25 s);
+- server_rss_mib: the server's RSS once ready and its peak (VmHWM) over the run, and that peak over the
+  largest answer it held.
+Each figure is the best of --rounds interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from support.cluster.waiting import LOOPBACK, free_port
+from support.server_process import ServerProcess, launch
+
+SHAPES = {"8b": 4096, "70b": 8192}
+VOCAB = 1024
+LAYERS = 8
+
+
+def write_wide_model(out: Path, hidden: int) -> Path:
+    """A random Llama of the given width whose weights are small: one 32-wide head, a 32-wide MLP."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
+def serve_ready_tensors(argv: list[str]) -> None:
+    """`eagle3-target serve` with an HF runner whose forward returns ready tensors (run in the child)."""
+    from eagle3_target.cli import main
+    from eagle3_target.runners.hf import HFRunner
+
+    ready: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward_hidden(self: HFRunner, input_ids: torch.Tensor, *_args: object, **_kwargs: object):
+        batch, seq = input_ids.shape
+        hidden = self.model.config.hidden_size
+        key = (batch, seq, hidden)
+        if key not in ready:
+            ready[key] = (
+                torch.randn(batch, seq, hidden).to(torch.bfloat16),
+                torch.randn(batch, seq, 3 * hidden).to(torch.bfloat16),
+            )
+        return ready[key]
+
+    HFRunner.forward_hidden = forward_hidden  # type: ignore[method-assign]
+    sys.argv = ["eagle3-target", *argv]
+    main()
+
+
+def start_ready_server(log_dir: Path, args: list[str]) -> ServerProcess:
+    port = free_port()
+    program = [sys.executable, "-m", "bench.data_plane", "--serve"]
+    server = launch(log_dir / "server.log", port, args, program=program)
+    server.wait_until("/readyz", 200, timeout=600)
+    return server
+
+
+# --- loopback TCP baseline -----------------------------------------------------------------------------
+
+
+def _tcp_sender(port: int, nbytes: int, repeats: int) -> None:
+    payload = memoryview(bytearray(nbytes))
+    with socket.create_connection((LOOPBACK, port)) as sock:
+        for _ in range(repeats):
+            sock.sendall(payload)
+
+
+def loopback_tcp_gbps(nbytes: int, repeats: int) -> float:
+    buffer = memoryview(bytearray(nbytes))
+    with socket.create_server((LOOPBACK, 0)) as listener:
+        port = listener.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        sender = ctx.Process(target=_tcp_sender, args=(port, nbytes, repeats))
+        sender.start()
+        conn, _ = listener.accept()
+        with conn:
+            best = 0.0
+            for _ in range(repeats):
+                started = time.perf_counter()
+                filled = 0
+                while filled < nbytes:
+                    filled += conn.recv_into(buffer[filled:])
+                best = max(best, nbytes / (time.perf_counter() - started) / 1e9)
+        sender.join()
+    return best
+
+
+# --- clients -------------------------------------------------------------------------------------------
+
+
+def _request_body(batch: int, seq: int) -> bytes:
+    from eagle3_target.wire.tensors import encode
+
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return encode({"input_ids": ids})
+
+
+def raw_client_gbps(url: str, body: bytes, reps: int) -> float:
+    """One keep-alive connection, plain sockets: the request out, the body into one reused buffer."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/supervision?format=hidden HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    buffer = bytearray()
+    best = 0.0
+    with socket.create_connection((host, int(port))) as sock:
+        stream = sock.makefile("rb")
+        for _ in range(reps + 1):  # the first one warms up
+            started = time.perf_counter()
+            sock.sendall(head + body)
+            status = stream.readline()
+            if b" 200 " not in status:
+                raise RuntimeError(f"server answered {status!r}")
+            length = 0
+            while (line := stream.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            if len(buffer) < length:
+                buffer = bytearray(length)
+            view = memoryview(buffer)[:length]
+            filled = 0
+            while filled < length:
+                got = stream.readinto(view[filled:])
+                if not got:
+                    raise RuntimeError("connection closed mid-body")
+                filled += got
+            best = max(best, length / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def _target_client_worker(url: str, batch: int, seq: int, reps: int, start, results) -> None:
+    from eagle3_target.client import TargetClient
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with TargetClient(url, timeout_s=600) as client:
+        client.supervise(ids, format="hidden")  # warm-up: connection, first allocation
+        start.wait()
+        started = time.perf_counter()
+        received = 0
+        for _ in range(reps):
+            out = client.supervise(ids, format="hidden")
+            received += sum(t.numel() * t.element_size() for t in out.values())
+        results.put((received, batch * seq * reps, started, time.perf_counter()))
+
+
+def target_client_rate(url: str, clients: int, batch: int, seq: int, reps: int) -> dict[str, float]:
+    """GB/s and tokens/s summed over `clients` processes, each a TargetClient pulling `reps` batches."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(clients + 1), ctx.Queue()
+    workers = [
+        ctx.Process(target=_target_client_worker, args=(url, batch, seq, reps, start, results))
+        for _ in range(clients)
+    ]
+    for worker in workers:
+        worker.start()
+    start.wait(timeout=600)
+    done = [results.get(timeout=1200) for _ in workers]
+    for worker in workers:
+        worker.join()
+    elapsed = max(end for *_, end in done) - min(begin for _, _, begin, _ in done)
+    return {
+        "gbps": round(sum(nbytes for nbytes, *_ in done) / elapsed / 1e9, 3),
+        "tokens_per_s": round(sum(tokens for _, tokens, *_ in done) / elapsed, 1),
+    }
+
+
+def probe_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        httpx.get(url + "/readyz", timeout=30).raise_for_status()
+        out.append(time.perf_counter() - started)
+        stop.wait(0.05)
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=4, help="requests per client per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    hidden = SHAPES[args.shape]
+    tokens = args.batch * args.seq
+    answer_bytes = tokens * 4 * hidden * 2
+    with tempfile.TemporaryDirectory(prefix="bench-data-plane-") as tmp:
+        model = write_wide_model(Path(tmp) / "model", hidden)
+        serve_args = ["--model", str(model), "--engine", "hf", "--dtype", "bfloat16"]
+        serve_args += ["--max-model-len", str(args.seq), "--max-batch-tokens", str(tokens)]
+        serve_args += ["--aux-layer-ids", "1", "3", "4", "--log-level", "WARNING"]
+        server = start_ready_server(Path(tmp), serve_args)
+        try:
+            rss_ready = rss_mib(server.process.pid)["VmRSS"]
+            body = _request_body(args.batch, args.seq)
+            tcp = raw = 0.0
+            c1: dict[str, float] = {"gbps": 0.0, "tokens_per_s": 0.0}
+            c4 = dict(c1)
+            latencies: list[float] = []
+            for _ in range(args.rounds):
+                tcp = max(tcp, loopback_tcp_gbps(answer_bytes, args.reps))
+                raw = max(raw, raw_client_gbps(server.url, body, args.reps))
+                c1 = max(c1, target_client_rate(server.url, 1, args.batch, args.seq, args.reps), key=_gbps)
+                stop = threading.Event()
+                prober = threading.Thread(target=probe_latencies, args=(server.url, stop, latencies))
+                prober.start()
+                try:
+                    c4_round = target_client_rate(server.url, 4, args.batch, args.seq, args.reps)
+                    c4 = max(c4, c4_round, key=_gbps)
+                finally:
+                    stop.set()
+                    prober.join()
+            rss = rss_mib(server.process.pid)
+        finally:
+            server.stop()
+    latencies.sort()
+    report = {
+        "bench": "data_plane",
+        "shape": args.shape,
+        "hidden_size": hidden,
+        "batch": [args.batch, args.seq],
+        "answer_mb": round(answer_bytes / 1e6, 1),
+        "reps_per_client": args.reps,
+        "rounds": args.rounds,
+        "loopback_tcp_gbps": round(tcp, 3),
+        "raw_c1_gbps": round(raw, 3),
+        "client_c1": c1,
+        "client_c4": c4,
+        "ratios": {
+            "raw_over_tcp": round(raw / tcp, 3),
+            "client_c1_over_tcp": round(c1["gbps"] / tcp, 3),
+            "client_c4_over_c1": round(c4["gbps"] / c1["gbps"], 3),
+        },
+        "readyz_seconds": {
+            "samples": len(latencies),
+            "p50": round(statistics.median(latencies), 4),
+            "p99": round(latencies[int(0.99 * (len(latencies) - 1))], 4),
+            "max": round(latencies[-1], 4),
+        },
+        "server_rss_mib": {
+            "ready": round(rss_ready, 1),
+            "peak": round(rss["VmHWM"], 1),
+            "peak_over_ready_per_answer": round((rss["VmHWM"] - rss_ready) * 2**20 / answer_bytes, 2),
+        },
+    }
+    print(json.dumps(report, indent=2))
+
+
+def _gbps(rate: dict[str, float]) -> float:
+    return rate["gbps"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve_ready_tensors(sys.argv[2:])
+    else:
+        main()
