@@ -16,7 +16,7 @@ from eagle3_target.wire.tensors import encode
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster.waiting import eventually, free_port
-from support.server_process import AUTH_TOKEN
+from support.server_process import AUTH_TOKEN, serve_in_thread
 from support.supervision import draft_mapping, token_batch
 from support.targets import create_target, target_status, write_status
 
@@ -323,3 +323,71 @@ def llama_server_fingerprint(server) -> str:
 def test_retry_after_header_is_read_as_seconds(header, seconds):
     headers = {} if header is None else {"Retry-After": header}
     assert _retry_after_s(httpx.Response(429, headers=headers)) == seconds
+
+
+class FaultyRelay:
+    """An endpoint that relays to a real server but spoils its first answers: cut short, then corrupted."""
+
+    def __init__(self, upstream: str, faults: list[str]) -> None:
+        self.upstream = upstream
+        self.faults = list(faults)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k.lower() in (b"authorization",)}
+        async with httpx.AsyncClient() as http:
+            answer = await http.request(
+                scope["method"],
+                self.upstream + scope["path"],
+                params=scope["query_string"].decode(),
+                content=body,
+                headers=headers,
+            )
+        content = answer.content
+        fault = self.faults.pop(0) if self.faults and scope["path"] == "/v1/supervision" else None
+        await send(
+            {
+                "type": "http.response.start",
+                "status": answer.status_code,
+                "headers": [(b"content-length", str(len(content)).encode())],
+            }
+        )
+        if fault == "cut":  # half the body, then the connection ends (uvicorn closes it)
+            await send({"type": "http.response.body", "body": content[: len(content) // 2]})
+            return
+        if fault == "corrupt":  # the right length, but the header no longer parses
+            content = b"\xff" * 16 + content[16:]
+        await send({"type": "http.response.body", "body": content})
+
+
+@pytest.mark.parametrize("fault", ["cut", "corrupt"])
+def test_a_cut_or_corrupt_answer_is_retried_never_returned(llama_server, llama_runner, fault):
+    input_ids, attention_mask, _ = token_batch(4)
+    final, aux = llama_runner.forward_hidden(input_ids, attention_mask)
+    with (
+        serve_in_thread(FaultyRelay(llama_server.url, [fault])) as relay,
+        TargetClient(relay, token=AUTH_TOKEN, **FAST_RETRIES) as client,
+    ):
+        got = client.supervise(input_ids, attention_mask, format="hidden")
+    assert torch.equal(got["final_hidden"], final) and torch.equal(got["aux_hidden_states"], aux)
+    counted = "connection_errors" if fault == "cut" else "corrupt_responses"
+    assert client.stats[counted] == 1 and client.stats["requests"] == 2
+
+
+def test_a_cut_answer_fails_over_to_the_other_endpoint(llama_server, llama_runner):
+    input_ids, attention_mask, _ = token_batch(5)
+    final, _ = llama_runner.forward_hidden(input_ids, attention_mask)
+    with (
+        serve_in_thread(FaultyRelay(llama_server.url, ["cut"] * 100)) as relay,
+        TargetClient([relay, llama_server.url], token=AUTH_TOKEN, **FAST_RETRIES) as client,
+    ):
+        for _ in range(3):
+            assert torch.equal(client.supervise(input_ids, attention_mask)["final_hidden"], final)
+    assert client.stats["connection_errors"] >= 1
