@@ -81,6 +81,8 @@ class TargetInfo(BaseModel):
     fingerprint: str
     formats: list[str]
     max_batch_tokens: int
+    # The largest answer one request may get (413 beyond); None from servers older than the limit.
+    max_response_bytes: int | None = None
     max_model_len: int
     version: str
 

@@ -135,6 +135,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
         fingerprint=fingerprint,
         formats=list(FORMATS),
         max_batch_tokens=settings.max_batch_tokens,
+        max_response_bytes=settings.response_byte_limit,
         max_model_len=int(max_len),
         version=eagle3_target.__version__,
     )

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from eagle3_target.server.fingerprint import model_fingerprint
+from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
 from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN
@@ -41,6 +42,7 @@ def test_probes_and_info(server, server_model_dir, reference_runner):
     assert info["aux_layer_ids"] == reference_runner.aux_layer_ids == [1, 3, 4]
     assert info["formats"] == ["hidden", "draft", "probs", "logits", "hidden_prenorm"]
     assert info["max_batch_tokens"] == MAX_BATCH_TOKENS
+    assert info["max_response_bytes"] == ServerSettings(model="m").response_byte_limit  # the default here
     assert info["max_model_len"] == MAX_MODEL_LEN
     assert info["fingerprint"] == model_fingerprint(
         str(server_model_dir),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from eagle3_target.server import settings as settings_module
 from eagle3_target.server.settings import ServerSettings, parse_engine_arg
+from pydantic import ValidationError
 
 
 @pytest.mark.parametrize(
@@ -36,3 +38,27 @@ def test_settings_validate():
     with pytest.raises(ValueError, match="3 aux"):
         ServerSettings(model="m", aux_layer_ids=(1, 2))
     assert ServerSettings(model="m", max_batch_tokens=10).token_body_limit > 10 * 24
+
+
+def test_connection_limits_validate():
+    settings = ServerSettings(model="m")
+    assert (settings.request_header_timeout, settings.request_body_timeout, settings.max_connections) == (
+        10.0,
+        60.0,
+        1024,
+    )
+    for field, value in [("request_header_timeout", 0), ("request_body_timeout", -1), ("max_connections", 0)]:
+        with pytest.raises(ValueError, match=field):
+            ServerSettings(model="m", **{field: value})
+
+
+def test_the_response_cap_fits_the_containers_memory(monkeypatch, tmp_path):
+    limit_file = tmp_path / "memory.max"
+    monkeypatch.setattr(settings_module, "_CGROUP_MEMORY_LIMITS", ((str(limit_file), 2**62),))
+    limit_file.write_text("max\n")  # no limit: the default
+    assert ServerSettings(model="m").response_byte_limit == settings_module.DEFAULT_MAX_RESPONSE_BYTES
+    limit_file.write_text(f"{8 * 2**30}\n")  # an 8 GiB pod: a quarter of it
+    assert ServerSettings(model="m").response_byte_limit == 2 * 2**30
+    assert ServerSettings(model="m", max_response_bytes=1000).response_byte_limit == 1000
+    with pytest.raises(ValidationError, match="max_response_bytes must be at least 1"):
+        ServerSettings(model="m", max_response_bytes=0)

@@ -108,6 +108,7 @@ def test_an_answer_over_the_cap_is_413_before_the_engine_runs(wide_server):
     assert str(MAX_RESPONSE_BYTES) in error["message"] and "--max-response-bytes" in error["message"]
     details = response.json()
     assert details["max_response_bytes"] == MAX_RESPONSE_BYTES
+    assert httpx.get(url + "/v1/info").json()["max_response_bytes"] == MAX_RESPONSE_BYTES
     assert details["response_bytes"] >= TOO_BIG * BYTES_PER_TOKEN > MAX_RESPONSE_BYTES
     assert metric_samples(url)[("eagle3_batch_tokens_count", ())] == batches_before  # nothing computed
     # The same tokens in a format that fits are served, and so is an answer just under the cap.
