@@ -2,7 +2,9 @@
 # GPU check of the HF engine on one CUDA GPU, in under 10 minutes, with no vLLM and no network:
 #   1. scripts/hf_device_check.py: the HF engine's supervision on CUDA equals the CPU result (fp32 to float
 #      rounding, bf16 within bf16 agreement), one JSON line per dtype;
-#   2. bench/server.py --device cuda: the real server serves every format from the GPU; prints its JSON.
+#   2. scripts/staging_device_check.py: answers reach pinned host memory off the engine's stream, equal to
+#      .cpu(), with pinned blocks reused; one JSON line;
+#   3. bench/server.py --device cuda: the real server serves every format from the GPU; prints its JSON.
 # It runs on that machine's own python and torch. The packages it lacks are installed into a throw-away venv
 # (which sees the system's packages, torch included) from wheels prepared beforehand on a machine with PyPI:
 #
@@ -49,5 +51,6 @@ export PYTHONPATH="$PWD/image:$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 status=0
 timeout 300 "$venv/bin/python" scripts/hf_device_check.py --device cuda || status=1
+timeout 120 "$venv/bin/python" scripts/staging_device_check.py --device cuda || status=1
 timeout 240 "$venv/bin/python" -m bench.server --device cuda --rounds 2 || status=1
 exit $status

@@ -64,9 +64,9 @@ def test_worker_coalesces_compatible_jobs_and_bounds_the_queue():
         with pytest.raises(QueueFull, match="3 requests waiting"):
             worker.submit(job(1, 4, 300))
         blocker.release.set()
-        assert torch.equal(first.result(timeout=30)["doubled"], torch.zeros(1, 1, dtype=torch.int64))
+        assert torch.equal(first.result(timeout=30).wait()["doubled"], torch.zeros(1, 1, dtype=torch.int64))
         for j, future in zip(queued, futures, strict=True):
-            assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+            assert torch.equal(future.result(timeout=30).wait()["doubled"], j.inputs["input_ids"] * 2)
         # 12 tokens fit: the first two (4 + 8) share one call, the third runs alone.
         assert calls == [3, 1]
     finally:
@@ -92,8 +92,8 @@ def test_worker_keeps_keys_and_lengths_apart_and_survives_errors():
         ]
         with pytest.raises(RuntimeError, match="exploded"):
             futures[0].result(timeout=30)
-        assert futures[1].result(timeout=30)["doubled"].shape == (1, 2)
-        assert futures[2].result(timeout=30)["doubled"].shape == (1, 3)
+        assert futures[1].result(timeout=30).wait()["doubled"].shape == (1, 2)
+        assert futures[2].result(timeout=30).wait()["doubled"].shape == (1, 3)
     finally:
         worker.stop()
 
@@ -125,7 +125,7 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
         with pytest.raises(ValueError, match="negative"):
             futures[1].result(timeout=30)
         for j, future in zip(good, (futures[0], futures[2]), strict=True):
-            assert torch.equal(future.result(timeout=30)["doubled"], j.inputs["input_ids"] * 2)
+            assert torch.equal(future.result(timeout=30).wait()["doubled"], j.inputs["input_ids"] * 2)
         # The three really shared one engine call (one 9-token batch after the 1-token blocker), and
         # only its failure sent them back one at a time.
         assert rows_per_call == [3, 1, 1, 1]
@@ -134,3 +134,22 @@ def test_a_failing_request_does_not_fail_the_requests_it_shares_a_batch_with():
     finally:
         blocker.release.set()
         worker.stop()
+
+
+def test_host_outputs_of_a_cpu_engine_are_its_own_tensors_with_nothing_to_wait_for():
+    produced: list[torch.Tensor] = []
+
+    def remember(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        produced.append(inputs["input_ids"] * 3)
+        return {"tripled": produced[-1]}
+
+    worker = EngineWorker(max_queue=4, max_batch_tokens=64, metrics=ServerMetrics())
+    worker.start()
+    try:
+        j = job(2, 3, 0)
+        j.compute = remember
+        outputs = worker.submit(j).result(timeout=30)
+    finally:
+        worker.stop()
+    assert not outputs.pending and outputs.copied is None
+    assert outputs.wait()["tripled"] is produced[0]  # no copy on the way to the response
