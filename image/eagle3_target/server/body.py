@@ -10,17 +10,23 @@ from eagle3_target.server.errors import PayloadTooLarge
 async def read_body_capped(request: Request, limit: int) -> bytearray:
     """The whole body, or 413 as soon as the declared or the streamed length passes ``limit`` bytes.
 
-    A declared Content-Length is digits only: uvicorn's HTTP parser answers any other value with a 400
-    (``http_protocol``) before the app runs. The body is a writable bytearray, so the wire decoders return
-    views of it instead of copying it again; it belongs to one request and is never reused, so those views
-    stay valid.
+    The declared length is the one the HTTP parser frames the body by: Content-Length, digits only (uvicorn's
+    parser answers any other value with a 400, see ``http_protocol``), and none at all when Transfer-Encoding
+    is present (RFC 9112 §6.3: the chunks frame the body and Content-Length is ignored). A declared length
+    under the limit is allocated at once and filled in place (untouched pages cost no memory until the bytes
+    arrive). The body is a writable bytearray, so the wire decoders return views of it instead of copying it
+    again; it belongs to one request and is never reused, so those views stay valid.
     """
-    declared = request.headers.get("content-length")
+    declared = None if "transfer-encoding" in request.headers else request.headers.get("content-length")
     if declared is not None and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
+    body = bytearray(int(declared or 0))
+    filled = 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
+        end = filled + len(chunk)
+        if end > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        body[filled:end] = chunk  # grows the buffer only past a declared length, i.e. when none was declared
+        filled = end
+    del body[filled:]  # a stream shorter than declared (no parser in front of the app) keeps what came
     return body

@@ -6,6 +6,7 @@ are passed on: what is not given comes from ``EAGLE3_TARGET_*`` variables, else 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from pathlib import Path
@@ -51,7 +52,14 @@ def serve(**flags: Any) -> None:
 
     from eagle3_target.protocol import EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED
     from eagle3_target.server.app import create_app
-    from eagle3_target.server.http_protocol import JsonErrorHTTPProtocol
+    from eagle3_target.server.http_protocol import (
+        ConnectionGuard,
+        ConnectionLimits,
+        HardenedHttpProtocol,
+        connection_budget,
+        open_fd_count,
+        raise_fd_limit,
+    )
     from eagle3_target.server.loading import LoadFailed, failure_line, preflight, write_termination_message
     from eagle3_target.server.logs import configure_json_logging
     from eagle3_target.server.target import engine_kwargs
@@ -84,6 +92,10 @@ def serve(**flags: Any) -> None:
 
         registry = app.state.server.metrics.registry
         prometheus_client.start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    budget = connection_budget(settings.max_connections, raise_fd_limit(), open_fd_count())
+    limits = ConnectionLimits(
+        settings.request_header_timeout, settings.request_body_timeout, budget.max_connections
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -91,7 +103,11 @@ def serve(**flags: Any) -> None:
             port=settings.port,
             log_config=None,
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
-            http=JsonErrorHTTPProtocol,
+            loop="uvloop",
+            # uvicorn builds the protocol per connection by calling what it is given like a class.
+            http=functools.partial(HardenedHttpProtocol, guard=ConnectionGuard(limits)),  # type: ignore[arg-type]
+            ws="none",
+            backlog=budget.backlog,
         )
     )
     state = app.state.server

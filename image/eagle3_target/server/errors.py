@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,21 @@ class TooManyRequests(ApiError):
     status, type = 429, "queue_full"
 
 
+class ClientClosedRequest(ApiError):
+    """The client closed the connection before its request was read (nginx's 499). Nobody reads the answer;
+    the status is there for the access log and ``eagle3_requests_total``, which would otherwise say 500."""
+
+    status, type = 499, "client_closed_request"
+
+
 class NotReady(ApiError):
     status, type = 503, "not_ready"
+
+
+class TooManyConnections(ApiError):
+    """The server's connection cap is reached (http_protocol): sent by the protocol, not by a route."""
+
+    status, type = 503, "too_many_connections"
 
 
 def error_response(
@@ -91,6 +105,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         return Unprocessable(reasons).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_disconnect(_request: Request, _exc: ClientDisconnect) -> JSONResponse:
+        return ClientClosedRequest("the client closed the connection before its request was read").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -4,13 +4,15 @@ Native clients name their mapping (``PUT /v1/vocab-mappings/{id}``). NeMo's clie
 ``/set_vocab_mapping`` and later ``/generate`` on one keep-alive session. Such mappings are stored under
 their content digest and bound to the posting connection, so two trainers with different mappings never
 see each other's. When a session reconnects (idle keep-alive closed), the peer host's mapping is used if
-that host registered exactly one; if it is ambiguous the request fails loudly instead of guessing.
+that host registered exactly one that is still stored; if it is ambiguous the request fails loudly instead of
+guessing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Container
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -38,6 +40,11 @@ class LruDict(Generic[V]):
                 self._items.move_to_end(key)
             return value
 
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is stored, without making it the most recently used."""
+        with self._lock:
+            return key in self._items
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
@@ -48,11 +55,17 @@ class UnboundConnection(LookupError):
 
 
 class NemoMappingBindings:
-    """Which mapping id each NeMo client connection, and each client host, registered."""
+    """Which mapping id each NeMo client connection, and each client host, registered.
 
-    def __init__(self, capacity: int = 4096) -> None:
+    A host's ids are only those `stored` still holds: each bind and each host lookup drops the evicted ones,
+    so a host's set never outgrows the store, and a mapping evicted long ago never makes a reconnect
+    ambiguous.
+    """
+
+    def __init__(self, stored: Container[str], capacity: int = 4096) -> None:
+        self._stored = stored
         self._by_connection: LruDict[str] = LruDict(capacity)
-        self._by_host: LruDict[frozenset[str]] = LruDict(capacity)
+        self._by_host: LruDict[set[str]] = LruDict(capacity)
         self._lock = threading.Lock()
 
     @staticmethod
@@ -62,19 +75,33 @@ class NemoMappingBindings:
     def bind(self, host: str, port: int, mapping_id: str) -> None:
         with self._lock:
             self._by_connection.put(self._connection_key(host, port), mapping_id)
-            self._by_host.put(host, (self._by_host.get(host) or frozenset()) | {mapping_id})
+            host_ids = self._by_host.get(host)
+            if host_ids is None:
+                host_ids = set()
+                self._by_host.put(host, host_ids)
+            host_ids.add(mapping_id)
+            self._forget_evicted(host_ids)
 
     def resolve(self, host: str, port: int) -> str:
-        """The mapping this connection set, else its host's only mapping; `UnboundConnection` otherwise."""
+        """The mapping this connection set, else its host's only stored one; `UnboundConnection` otherwise."""
         mapping_id = self._by_connection.get(self._connection_key(host, port))
         if mapping_id is not None:
             return mapping_id
-        host_ids = self._by_host.get(host) or frozenset()
-        if len(host_ids) == 1:
-            return next(iter(host_ids))
-        if not host_ids:
-            raise UnboundConnection("no vocab mapping set: POST /set_vocab_mapping before /generate")
+        with self._lock:
+            host_ids = self._by_host.get(host) or set()
+            self._forget_evicted(host_ids)
+            if len(host_ids) == 1:
+                return next(iter(host_ids))
+            count = len(host_ids)
+        if not count:
+            raise UnboundConnection(
+                f"no vocab mapping set from {host} is stored (none was, or it was evicted): "
+                "POST /set_vocab_mapping before /generate"
+            )
         raise UnboundConnection(
-            f"{len(host_ids)} different vocab mappings were set from {host} and this connection set none: "
+            f"{count} different vocab mappings were set from {host} and this connection set none: "
             "POST /set_vocab_mapping again on this connection"
         )
+
+    def _forget_evicted(self, host_ids: set[str]) -> None:
+        host_ids.difference_update([mapping_id for mapping_id in host_ids if mapping_id not in self._stored])

@@ -13,13 +13,17 @@ from starlette.requests import Request
 from starlette.types import Message
 
 
-def request_streaming(chunks: list[bytes], content_length: int | None = None) -> Request:
+def request_streaming(
+    chunks: list[bytes], content_length: int | None = None, transfer_encoding: str | None = None
+) -> Request:
     """A Starlette request whose ASGI receive hands out ``chunks`` as the server would."""
     messages: list[Message] = [
         {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
         for i, chunk in enumerate(chunks)
     ]
     headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+    if transfer_encoding is not None:
+        headers.append((b"transfer-encoding", transfer_encoding.encode()))
 
     async def receive() -> Message:
         return messages.pop(0)
@@ -44,3 +48,22 @@ def test_the_cap_holds_for_declared_and_streamed_lengths():
         asyncio.run(read_body_capped(request_streaming([b"x" * 101], 101), limit=100))
     with pytest.raises(PayloadTooLarge, match="exceeds the limit of 100 bytes"):
         asyncio.run(read_body_capped(request_streaming([b"x" * 60, b"x" * 60]), limit=100))
+
+
+def test_transfer_encoding_frames_the_body_not_content_length():
+    """RFC 9112 §6.3: with Transfer-Encoding, Content-Length is ignored; the streamed length still caps."""
+    chunked = request_streaming([b"abc", b""], content_length=99_999_999_999, transfer_encoding="chunked")
+    assert asyncio.run(read_body_capped(chunked, limit=100)) == b"abc"
+    oversized = request_streaming([b"x" * 60, b"x" * 60], content_length=10, transfer_encoding="chunked")
+    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 100 bytes"):
+        asyncio.run(read_body_capped(oversized, limit=100))
+
+
+def test_a_declared_length_is_filled_in_place_and_the_stream_decides_the_size():
+    payload = bytes(range(200))
+    exact = asyncio.run(read_body_capped(request_streaming([payload[:7], payload[7:]], 200), limit=1000))
+    assert isinstance(exact, bytearray) and exact == payload
+    # Without a parser in front, a stream may differ from its declaration: the bytes that came are the body.
+    longer = asyncio.run(read_body_capped(request_streaming([payload[:150], payload[150:]], 100), limit=1000))
+    shorter = asyncio.run(read_body_capped(request_streaming([payload[:50]], 100), limit=1000))
+    assert (longer, shorter) == (payload, payload[:50])
