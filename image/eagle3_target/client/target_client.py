@@ -16,10 +16,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
 import torch
 from torch import Tensor
 
@@ -28,6 +26,7 @@ from eagle3_target.client.errors import FingerprintChanged, RequestRejected, Res
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.resolve import ResolvedTarget, follow_resource
 from eagle3_target.client.runner_adapter import RemoteTargetRunner
+from eagle3_target.client.transport import Reply, Transport, TransportError
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
 from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
@@ -36,42 +35,6 @@ from eagle3_target.wire.tensors import decode, encode
 
 RETRYABLE_STATUS = (429, 503)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One endpoint's whole answer: status, headers and the body in one writable buffer."""
-
-    url: str
-    status_code: int
-    headers: httpx.Headers
-    body: memoryview
-
-    def json(self) -> Any:
-        return json.loads(bytes(self.body))
-
-
-def read_body(response: httpx.Response) -> memoryview:
-    """The body of a streamed response in one preallocated buffer, filled as the chunks arrive.
-
-    The buffer is uninitialised memory (no zero-filling pass over a large body); a body shorter or longer
-    than its Content-Length is a `httpx.RemoteProtocolError`, retried like any broken connection.
-    """
-    declared = response.headers.get("content-length")
-    if declared is None or "content-encoding" in response.headers:
-        return memoryview(bytearray(response.read()))
-    size = int(declared)
-    view = torch.empty(size, dtype=torch.uint8).numpy().data
-    filled = 0
-    for chunk in response.iter_raw():
-        end = filled + len(chunk)
-        if end > size:
-            raise httpx.RemoteProtocolError(f"body longer than its Content-Length of {size} bytes")
-        view[filled:end] = chunk
-        filled = end
-    if filled != size:
-        raise httpx.RemoteProtocolError(f"body ended after {filled} of its {size} bytes")
-    return view
 
 
 class TargetClient:
@@ -110,10 +73,8 @@ class TargetClient:
             urls = [target] if isinstance(target, str) else target
         self.pool = EndpointPool(urls, backoff_initial_s, backoff_max_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        # trust_env=False: the endpoints are in-cluster peers, never to be reached through an ambient proxy.
-        self._http = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)), trust_env=False
-        )
+        # The endpoints are in-cluster peers, reached directly (never through an ambient proxy).
+        self._transport = Transport(headers, timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 10.0))
         self.max_attempts = max_attempts
         self.give_up_after_s = give_up_after_s
         self.allow_fingerprint_change = allow_fingerprint_change
@@ -138,7 +99,7 @@ class TargetClient:
 
     def close(self) -> None:
         """Drop the connections. Servers are not told to shut down: they serve other trainers too."""
-        self._http.close()
+        self._transport.close()
 
     @property
     def fingerprint(self) -> str | None:
@@ -300,7 +261,7 @@ class TargetClient:
             attempts += 1
             try:
                 reply = self._send(method, url, path, vocab, kwargs)
-            except httpx.TransportError as exc:
+            except TransportError as exc:
                 self._count("connection_errors")
                 last_problem = f"{url}: {type(exc).__name__}: {exc}"
                 self.pool.failed(url)
@@ -329,21 +290,17 @@ class TargetClient:
 
     def _send(self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]) -> Reply:
         """One attempt on one endpoint; teaches it the draft vocabulary first if it does not know it yet."""
-        reply = self._exchange(method, url + path, **kwargs)
+        reply = self._transport.request(method, url + path, **kwargs)
         mapping = self._vocabs.get(vocab) if vocab else None
         if reply.status_code == 404 and mapping is not None and _error_type(reply) == "not_found":
             # A restarted or newly added replica: register the mapping and send the same batch again.
             self._count("vocab_registrations")
             body = encode({"selected_token_ids": mapping.selected_token_ids.cpu().contiguous()})
-            registered = self._exchange("PUT", f"{url}/v1/vocab-mappings/{vocab}", content=body)
+            registered = self._transport.request("PUT", f"{url}/v1/vocab-mappings/{vocab}", content=body)
             if registered.status_code >= 400:
                 return registered
-            reply = self._exchange(method, url + path, **kwargs)
+            reply = self._transport.request(method, url + path, **kwargs)
         return reply
-
-    def _exchange(self, method: str, url: str, **kwargs: Any) -> Reply:
-        with self._http.stream(method, url, **kwargs) as response:
-            return Reply(str(response.url), response.status_code, response.headers, read_body(response))
 
     def _check_fingerprint(self, fingerprint: str | None, source: str) -> None:
         """Pin the first fingerprint seen; a different one later is a different target."""
@@ -398,16 +355,20 @@ def _parse_tensors(body: memoryview) -> tuple[dict[str, Tensor], dict[str, str]]
         raise WireFormatError(str(exc)) from exc
 
 
+def _error(reply: Reply) -> Any:
+    return json.loads(bytes(reply.body))["error"]
+
+
 def _error_type(reply: Reply) -> str:
     try:
-        return str(reply.json()["error"]["type"])
+        return str(_error(reply)["type"])
     except (ValueError, KeyError, TypeError):
         return "http_error"
 
 
 def _error_text(reply: Reply) -> str:
     try:
-        return str(reply.json()["error"]["message"])
+        return str(_error(reply)["message"])
     except (ValueError, KeyError, TypeError):
         return bytes(reply.body[:200]).decode("utf-8", "replace")
 

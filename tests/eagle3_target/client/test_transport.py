@@ -1,0 +1,49 @@
+"""The client's transport against real servers on loopback: keep-alive reuse, a server that closed an idle
+connection, a body cut short, and nothing listening."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from eagle3_target.client.transport import Transport, TransportError
+
+from support.cluster.waiting import LOOPBACK, free_port
+from support.server_process import serve_in_thread
+
+
+async def echo_peer(scope, receive, send) -> None:
+    """Answers with the client's port (which connection it came on) and, on /cut, half a body."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    body = json.dumps({"port": scope["client"][1]}).encode()
+    declared = len(body) * (2 if scope["path"] == "/cut" else 1)
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % declared)]}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def port_of(transport: Transport, url: str) -> int:
+    return json.loads(bytes(transport.request("POST", url + "/", content=b"x").body))["port"]
+
+
+def test_connections_are_kept_alive_and_a_closed_idle_one_is_replaced_silently():
+    transport = Transport({}, timeout_s=10, connect_timeout_s=5)
+    with serve_in_thread(echo_peer) as url:  # uvicorn's default: idle connections closed after 5 s
+        first = port_of(transport, url)
+        assert port_of(transport, url) == first  # the same connection
+        time.sleep(6)  # the server closes it meanwhile
+        assert port_of(transport, url) != first  # a fresh one, and no error
+    transport.close()
+
+
+def test_a_body_cut_short_and_a_dead_endpoint_are_transport_errors():
+    transport = Transport({}, timeout_s=10, connect_timeout_s=5)
+    with serve_in_thread(echo_peer) as url, pytest.raises(TransportError, match="of its"):
+        transport.request("GET", url + "/cut")
+    with pytest.raises(TransportError, match="ConnectionRefused"):
+        transport.request("GET", f"http://{LOOPBACK}:{free_port()}/")
