@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import kopf
 import prometheus_client
 import typer
+import uvloop
 from aiohttp import web
 
 from eagle3_operator import handlers
@@ -126,7 +127,9 @@ def run(
         "memo": kopf.Memo(config=config),
     }
     try:
-        asyncio.run(operate(config, kopf_options, election, liveness))
+        # uvloop, as `kopf run` would pick it: the probes and watches of hundreds of targets share this loop.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(operate(config, kopf_options, election, liveness))
     except CrdMismatch as error:
         typer.echo(f"eagle3-operator: {error}", err=True)
         raise typer.Exit(2) from error
