@@ -119,6 +119,44 @@ class SyntheticText:
         return out[:steps]
 
 
+@dataclass
+class DraftRun:
+    """A fresh draft with its optimizer, and the corpus and draft vocabulary it trains on, all seeded."""
+
+    text: SyntheticText
+    mapping: VocabMapping
+    draft: Eagle3Draft
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def start(
+        cls,
+        vocab_size: int,
+        embeddings: Tensor,
+        *,
+        seq_len: int = 32,
+        corpus_rows: int = 32,
+        draft_vocab_size: int | None = None,
+        lr: float = 3e-3,
+        seed: int = 0,
+    ) -> DraftRun:
+        """`embeddings` are the target's input embeddings [V, H] (frozen in the draft)."""
+        torch.manual_seed(seed)
+        text = SyntheticText.generate(vocab_size, corpus_rows, seq_len, seed)
+        mapping = text.draft_vocab(vocab_size, draft_vocab_size or vocab_size // 2)
+        draft = Eagle3Draft(embeddings, mapping.draft_vocab_size)
+        optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
+        return cls(text, mapping, draft, optimizer)
+
+    def step(self, batch: Eagle3TargetBatch, ttt_steps: int) -> dict[str, float]:
+        """One optimizer step on one batch of target supervision; its {loss, acc} (acc = step-0 top-1)."""
+        loss, accuracy = ttt_loss(self.draft, batch, ttt_steps)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.item(), "acc": accuracy.item()}
+
+
 def train(
     client: TargetClient,
     *,
@@ -135,24 +173,24 @@ def train(
     progress: bool = True,
 ) -> list[dict[str, float]]:
     """Train a fresh draft for `steps` batches; returns the history [{step, loss, acc}] (acc = top-1)."""
-    torch.manual_seed(seed)
-    vocab_size = client.info().vocab_size
-    text = SyntheticText.generate(vocab_size, corpus_rows, seq_len, seed)
-    mapping = text.draft_vocab(vocab_size, draft_vocab_size or vocab_size // 2)
-    draft = Eagle3Draft(client.weight("input_embeddings"), mapping.draft_vocab_size)
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    run = DraftRun.start(
+        client.info().vocab_size,
+        client.weight("input_embeddings"),
+        seq_len=seq_len,
+        corpus_rows=corpus_rows,
+        draft_vocab_size=draft_vocab_size,
+        lr=lr,
+        seed=seed,
+    )
     history: list[dict[str, float]] = []
     batches = client.prefetch(
-        text.batches(batch_size, steps, seed), format=format, mapping=mapping, depth=prefetch_depth
+        run.text.batches(batch_size, steps, seed), format=format, mapping=run.mapping, depth=prefetch_depth
     )
     with tqdm(batches, total=steps, disable=not progress, desc="draft") as bar:
         for step, batch in enumerate(bar):
-            loss, accuracy = ttt_loss(draft, batch, ttt_steps)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            history.append({"step": step, "loss": loss.item(), "acc": accuracy.item()})
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{accuracy.item():.2f}")
+            metrics = run.step(batch, ttt_steps)
+            history.append({"step": step, **metrics})
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['acc']:.2f}")
     return history
 
 
