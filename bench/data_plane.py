@@ -6,7 +6,8 @@ A real `eagle3-target serve` (HF engine) runs a model with a real model's widths
 4096; 70B: 8192; one attention head and a tiny MLP, so the weights stay small) whose `forward_hidden`
 returns ready bf16 tensors: what is measured is the server, the wire and the client, not the model.
 Requests are `format=hidden`, --batch x --seq tokens (268 MB each at 8B sizes). Prints one JSON object:
-- loopback_tcp_gbps: one TCP stream over 127.0.0.1 between two processes (sendall / recv_into), this run;
+- loopback_tcp_gbps: one TCP stream over 127.0.0.1 between two processes (sendall of the server's chunk
+  size / recv_into a warm buffer), this run;
 - raw_c1_gbps: one client reading the body with plain sockets into a preallocated buffer, no decode;
 - client_c1 / client_c4: `TargetClient.supervise` in 1 and 4 client processes (read, decode): GB/s and
   tokens/s summed over the clients;
@@ -32,7 +33,9 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
+from eagle3_target.server.streaming import CHUNK_BYTES
 
 from support.cluster.waiting import LOOPBACK, free_port
 from support.server_process import ServerProcess, launch
@@ -98,14 +101,17 @@ def start_ready_server(log_dir: Path, args: list[str]) -> ServerProcess:
 
 
 def _tcp_sender(port: int, nbytes: int, repeats: int) -> None:
-    payload = memoryview(bytearray(nbytes))
+    """Sends in the server's chunk size: one huge send holds the socket's lock while ACKs wait, and is slower
+    than the server's own writes."""
+    payload = np.ones(nbytes, dtype=np.uint8).data
     with socket.create_connection((LOOPBACK, port)) as sock:
         for _ in range(repeats):
-            sock.sendall(payload)
+            for start in range(0, nbytes, CHUNK_BYTES):
+                sock.sendall(payload[start : start + CHUNK_BYTES])
 
 
 def loopback_tcp_gbps(nbytes: int, repeats: int) -> float:
-    buffer = memoryview(bytearray(nbytes))
+    buffer = np.ones(nbytes, dtype=np.uint8).data  # warm, like the client's reused buffers
     with socket.create_server((LOOPBACK, 0)) as listener:
         port = listener.getsockname()[1]
         ctx = multiprocessing.get_context("spawn")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import threading
 import urllib.parse
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,19 +38,55 @@ class Reply:
     body: memoryview
 
 
-def read_body(response: http.client.HTTPResponse) -> memoryview:
+class BodyBuffers:
+    """Large body buffers, each reused once nothing views it any more.
+
+    A fresh buffer costs a page fault per page on its first fill, which here makes reading a large body
+    several times slower than filling a warm buffer. A body is handed out as a numpy view of a pooled array;
+    the tensors decoded from it keep that view alive, and when the last of them is gone the array returns
+    to the pool (at most `keep` idle arrays stay, the rest are freed).
+    """
+
+    def __init__(self, keep: int = 2, min_bytes: int = 1 << 20) -> None:
+        self.keep = keep
+        self.min_bytes = min_bytes
+        self._idle: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> memoryview:
+        """A writable buffer of exactly `size` bytes, its contents undefined."""
+        if size < self.min_bytes:
+            return memoryview(bytearray(size))
+        with self._lock:
+            fits = [array for array in self._idle if size <= array.size <= 2 * size]
+            array = min(fits, key=len) if fits else None
+            if array is not None:
+                self._idle.remove(array)
+        if array is None:
+            # numpy asks for transparent huge pages for large arrays: a fresh one faults per 2 MiB.
+            array = np.empty(size, dtype=np.uint8)
+        view = array[:size]
+        weakref.finalize(view, self._give_back, array)
+        return view.data
+
+    def _give_back(self, array: np.ndarray) -> None:
+        with self._lock:
+            self._idle.append(array)
+            if len(self._idle) > self.keep:
+                self._idle.remove(min(self._idle, key=len))
+
+
+def read_body(response: http.client.HTTPResponse, buffers: BodyBuffers) -> memoryview:
     """The body in one writable buffer of exactly its Content-Length, filled by ``readinto``.
 
-    The buffer is uninitialised memory from numpy, which asks for transparent huge pages for large arrays:
-    filling a fresh buffer then costs a page fault per 2 MiB instead of per 4 KiB (twice the speed of a
-    `torch.empty` buffer here). A body shorter than its Content-Length is a `TransportError`; one without a
-    length (chunked) is read whole.
+    A body shorter than its Content-Length is a `TransportError`; one without a length (chunked) is read
+    whole.
     """
     declared = response.getheader("content-length")
     if declared is None:
         return memoryview(bytearray(response.read()))
     size = int(declared)
-    view = np.empty(size, dtype=np.uint8).data
+    view = buffers.take(size)
     filled = 0
     while filled < size:
         got = response.readinto(view[filled:])
@@ -66,6 +103,7 @@ class Transport:
         self.headers = dict(headers)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.buffers = BodyBuffers()
         self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -102,7 +140,7 @@ class Transport:
                 connection = None  # a stale keep-alive connection: once more on a fresh one
                 continue
             try:
-                body = read_body(response)
+                body = read_body(response, self.buffers)
             except (OSError, http.client.HTTPException, TransportError) as exc:
                 connection.close()
                 raise TransportError(f"{type(exc).__name__}: {exc}") from exc

@@ -3,11 +3,13 @@ connection, a body cut short, and nothing listening."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
 import pytest
-from eagle3_target.client.transport import Transport, TransportError
+import torch
+from eagle3_target.client.transport import BodyBuffers, Transport, TransportError
 
 from support.cluster.waiting import LOOPBACK, free_port
 from support.server_process import serve_in_thread
@@ -47,3 +49,19 @@ def test_a_body_cut_short_and_a_dead_endpoint_are_transport_errors():
         transport.request("GET", url + "/cut")
     with pytest.raises(TransportError, match="ConnectionRefused"):
         transport.request("GET", f"http://{LOOPBACK}:{free_port()}/")
+
+
+def test_a_body_buffer_is_reused_only_once_nothing_views_it():
+    buffers = BodyBuffers(keep=1, min_bytes=1024)
+    first = buffers.take(4096)
+    first[:4] = b"abcd"
+    tensor = torch.frombuffer(first, dtype=torch.uint8)  # what decoding a body does
+    del first
+    second = buffers.take(4096)
+    assert torch.frombuffer(second, dtype=torch.uint8).data_ptr() != tensor.data_ptr()  # still in use
+    assert bytes(tensor[:4].numpy()) == b"abcd"
+    address = tensor.data_ptr()
+    del tensor
+    gc.collect()
+    assert torch.frombuffer(buffers.take(4000), dtype=torch.uint8).data_ptr() == address  # given back
+    assert isinstance(buffers.take(100), memoryview)  # small bodies are not pooled
