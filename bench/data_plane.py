@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import sys
@@ -41,6 +42,16 @@ from support.cluster.waiting import LOOPBACK, free_port
 from support.server_process import ServerProcess, launch
 
 SHAPES = {"8b": 4096, "70b": 8192}
+
+
+def cpu_split() -> tuple[set[int], set[int]]:
+    """(server's CPUs, clients' CPUs). With two or more CPUs the server runs on the first and every client
+    on the others, as trainers on other nodes would: clients then share their CPUs, not the server's, and
+    4 clients measure what the server does for them."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return set(cpus[:1]), set(cpus[1:]) or set(cpus)
+
+
 VOCAB = 1024
 LAYERS = 8
 
@@ -89,10 +100,11 @@ def serve_ready_tensors(argv: list[str]) -> None:
     main()
 
 
-def start_ready_server(log_dir: Path, args: list[str]) -> ServerProcess:
+def start_ready_server(log_dir: Path, args: list[str], cpus: set[int]) -> ServerProcess:
     port = free_port()
     program = [sys.executable, "-m", "bench.data_plane", "--serve"]
     server = launch(log_dir / "server.log", port, args, program=program)
+    os.sched_setaffinity(server.process.pid, cpus)
     server.wait_until("/readyz", 200, timeout=600)
     return server
 
@@ -100,9 +112,10 @@ def start_ready_server(log_dir: Path, args: list[str]) -> ServerProcess:
 # --- loopback TCP baseline -----------------------------------------------------------------------------
 
 
-def _tcp_sender(port: int, nbytes: int, repeats: int) -> None:
+def _tcp_sender(port: int, nbytes: int, repeats: int, cpus: set[int]) -> None:
     """Sends in the server's chunk size: one huge send holds the socket's lock while ACKs wait, and is slower
     than the server's own writes."""
+    os.sched_setaffinity(0, cpus)
     payload = np.ones(nbytes, dtype=np.uint8).data
     with socket.create_connection((LOOPBACK, port)) as sock:
         for _ in range(repeats):
@@ -110,12 +123,12 @@ def _tcp_sender(port: int, nbytes: int, repeats: int) -> None:
                 sock.sendall(payload[start : start + CHUNK_BYTES])
 
 
-def loopback_tcp_gbps(nbytes: int, repeats: int) -> float:
+def loopback_tcp_gbps(nbytes: int, repeats: int, sender_cpus: set[int]) -> float:
     buffer = np.ones(nbytes, dtype=np.uint8).data  # warm, like the client's reused buffers
     with socket.create_server((LOOPBACK, 0)) as listener:
         port = listener.getsockname()[1]
         ctx = multiprocessing.get_context("spawn")
-        sender = ctx.Process(target=_tcp_sender, args=(port, nbytes, repeats))
+        sender = ctx.Process(target=_tcp_sender, args=(port, nbytes, repeats, sender_cpus))
         sender.start()
         conn, _ = listener.accept()
         with conn:
@@ -175,13 +188,17 @@ def raw_client_gbps(url: str, body: bytes, reps: int) -> float:
     return best
 
 
-def _target_client_worker(url: str, batch: int, seq: int, reps: int, start, results) -> None:
+def _target_client_worker(url: str, batch: int, seq: int, reps: int, cpus, start, results) -> None:
     from eagle3_target.client import TargetClient
 
+    os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
     with TargetClient(url, timeout_s=600) as client:
-        client.supervise(ids, format="hidden")  # warm-up: connection, first allocation
+        # Warm-up: the connection, and the two body buffers a caller holding one answer while it fetches the
+        # next keeps reusing (a trainer with prefetch holds a few the same way).
+        warm = [client.supervise(ids, format="hidden") for _ in range(2)]
+        del warm
         start.wait()
         started = time.perf_counter()
         received = 0
@@ -191,12 +208,14 @@ def _target_client_worker(url: str, batch: int, seq: int, reps: int, start, resu
         results.put((received, batch * seq * reps, started, time.perf_counter()))
 
 
-def target_client_rate(url: str, clients: int, batch: int, seq: int, reps: int) -> dict[str, float]:
+def target_client_rate(
+    url: str, clients: int, batch: int, seq: int, reps: int, cpus: set[int]
+) -> dict[str, float]:
     """GB/s and tokens/s summed over `clients` processes, each a TargetClient pulling `reps` batches."""
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(clients + 1), ctx.Queue()
     workers = [
-        ctx.Process(target=_target_client_worker, args=(url, batch, seq, reps, start, results))
+        ctx.Process(target=_target_client_worker, args=(url, batch, seq, reps, cpus, start, results))
         for _ in range(clients)
     ]
     for worker in workers:
@@ -236,6 +255,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     hidden = SHAPES[args.shape]
+    server_cpus, client_cpus = cpu_split()
+    os.sched_setaffinity(0, client_cpus)  # this process is a client too: the baselines' receiver, the probes
     tokens = args.batch * args.seq
     answer_bytes = tokens * 4 * hidden * 2
     with tempfile.TemporaryDirectory(prefix="bench-data-plane-") as tmp:
@@ -243,7 +264,7 @@ def main() -> None:
         serve_args = ["--model", str(model), "--engine", "hf", "--dtype", "bfloat16"]
         serve_args += ["--max-model-len", str(args.seq), "--max-batch-tokens", str(tokens)]
         serve_args += ["--aux-layer-ids", "1", "3", "4", "--log-level", "WARNING"]
-        server = start_ready_server(Path(tmp), serve_args)
+        server = start_ready_server(Path(tmp), serve_args, server_cpus)
         try:
             rss_ready = rss_mib(server.process.pid)["VmRSS"]
             body = _request_body(args.batch, args.seq)
@@ -252,14 +273,18 @@ def main() -> None:
             c4 = dict(c1)
             latencies: list[float] = []
             for _ in range(args.rounds):
-                tcp = max(tcp, loopback_tcp_gbps(answer_bytes, args.reps))
+                tcp = max(tcp, loopback_tcp_gbps(answer_bytes, args.reps, server_cpus))
                 raw = max(raw, raw_client_gbps(server.url, body, args.reps))
-                c1 = max(c1, target_client_rate(server.url, 1, args.batch, args.seq, args.reps), key=_gbps)
+                c1 = max(
+                    c1,
+                    target_client_rate(server.url, 1, args.batch, args.seq, args.reps, client_cpus),
+                    key=_gbps,
+                )
                 stop = threading.Event()
                 prober = threading.Thread(target=probe_latencies, args=(server.url, stop, latencies))
                 prober.start()
                 try:
-                    c4_round = target_client_rate(server.url, 4, args.batch, args.seq, args.reps)
+                    c4_round = target_client_rate(server.url, 4, args.batch, args.seq, args.reps, client_cpus)
                     c4 = max(c4, c4_round, key=_gbps)
                 finally:
                     stop.set()
@@ -275,6 +300,7 @@ def main() -> None:
         "batch": [args.batch, args.seq],
         "answer_mb": round(answer_bytes / 1e6, 1),
         "reps_per_client": args.reps,
+        "cpus": {"server": sorted(server_cpus), "clients": sorted(client_cpus)},
         "rounds": args.rounds,
         "loopback_tcp_gbps": round(tcp, 3),
         "raw_c1_gbps": round(raw, 3),
