@@ -241,13 +241,6 @@ def probe_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
         stop.wait(0.05)
 
 
-def rss_mib(pid: int) -> dict[str, float]:
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-    )
-    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -268,7 +261,7 @@ def main() -> None:
         serve_args += ["--aux-layer-ids", "1", "3", "4", "--log-level", "WARNING"]
         server = start_ready_server(Path(tmp), serve_args, server_cpus)
         try:
-            rss_ready = rss_mib(server.process.pid)["VmRSS"]
+            rss_ready = server.memory_mib()["VmRSS"]
             body = _request_body(args.batch, args.seq)
             tcp = raw = 0.0
             c1: dict[str, float] = {"gbps": 0.0, "tokens_per_s": 0.0}
@@ -291,7 +284,7 @@ def main() -> None:
                 finally:
                     stop.set()
                     prober.join()
-            rss = rss_mib(server.process.pid)
+            rss = server.memory_mib()
         finally:
             server.stop()
     latencies.sort()

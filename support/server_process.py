@@ -66,6 +66,12 @@ class ServerProcess:
     def stop(self) -> None:
         terminate(self.process, grace_seconds=30)
 
+    def memory_mib(self) -> dict[str, float]:
+        """The server process's resident memory now (``VmRSS``) and at its peak so far (``VmHWM``), MiB."""
+        lines = Path(f"/proc/{self.process.pid}/status").read_text().splitlines()
+        fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
 
 def launch(
     log_path: Path,

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.nn import functional
 
 from eagle3_target.contract import (
+    NUM_AUX_LAYERS,
     Eagle3TargetBatch,
     VocabMapping,
     build_batch,
@@ -170,7 +171,7 @@ class TokenSizes:
     @property
     def aux(self) -> int:
         """The three captured layers, in every format."""
-        return 3 * self.hidden_size * self.model_itemsize
+        return NUM_AUX_LAYERS * self.hidden_size * self.model_itemsize
 
 
 @dataclass(frozen=True)

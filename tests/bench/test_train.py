@@ -1,24 +1,11 @@
 """`python -m bench.train` runs end to end and prints what its docstring promises; its rates are not judged
 here (a benchmark, not a timed test), only that both paths ran and trained the same draft alike."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from support.bench import run_bench
 
 
 def test_a_quick_run_prints_both_rates_and_how_the_cores_were_shared():
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.train", "--quick", "--rounds", "1", "--steps", "1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout)
+    out = run_bench("train", "--quick", "--rounds", "1", "--steps", "1")
     assert out["inprocess_tokens_per_s"] > 0 and out["served_tokens_per_s"] > 0
     assert abs(out["ratio"] - out["served_tokens_per_s"] / out["inprocess_tokens_per_s"]) < 0.01
     assert len(out["inprocess_rounds"]) == len(out["served_rounds"]) == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -11,7 +11,9 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
-def prefetch(fn: Callable[[Item], Result], items: Iterable[Item], depth: int = 2) -> Iterator[Result]:
+def prefetch(
+    fn: Callable[[Item], Result], items: Iterable[Item], depth: int = 2
+) -> Generator[Result, None, None]:
     """Yield `fn(item)` for each item, in order, keeping up to `depth` calls running ahead of the consumer.
 
     An exception from `fn` is raised when its result would have been yielded; calls still running are

@@ -349,8 +349,6 @@ def _parse_info(body: memoryview) -> TargetInfo:
 def _parse_tensors(body: memoryview) -> tuple[dict[str, Tensor], dict[str, str]]:
     try:
         return decode(body)
-    except WireFormatError:
-        raise
     except (RuntimeError, OverflowError) as exc:  # torch refusing a view the header describes
         raise WireFormatError(str(exc)) from exc
 
@@ -373,9 +371,9 @@ def _error_text(reply: Reply) -> str:
         return bytes(reply.body[:200]).decode("utf-8", "replace")
 
 
-def _retry_after_s(response: Reply) -> float | None:
+def _retry_after_s(reply: Reply) -> float | None:
     """Retry-After as seconds (delta-seconds or an HTTP date), or None when absent or unreadable."""
-    value = response.headers.get("retry-after")
+    value = reply.headers.get("retry-after")
     if value is None:
         return None
     try:

@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,8 +263,7 @@ def export(
                     bar.update(tokens)
                     bar.set_postfix(rows=rows_written, refresh=False)
         finally:
-            if isinstance(responses, Generator):  # a failed write: stop the requests still in flight
-                responses.close()
+            responses.close()  # after a failed write: the requests still in flight are stopped
     stats = {k: client.stats[k] - stats_before.get(k, 0) for k in client.stats}
     return ExportSummary(
         rows=len(lengths),

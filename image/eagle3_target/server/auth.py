@@ -12,8 +12,9 @@ import hmac
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eagle3_target.server.errors import Unauthorized
+from eagle3_target.server.routes.probes import PROBE_PATHS
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v1/info", "/metrics"})
+OPEN_PATHS = PROBE_PATHS | {"/v1/info"}
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

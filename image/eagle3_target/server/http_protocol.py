@@ -37,10 +37,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from eagle3_target.server.errors import ApiError, BadRequest, TooManyConnections
+from eagle3_target.server.routes.probes import PROBE_PATHS
 
 log = logging.getLogger(__name__)
 
-PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Kubelet's startup, liveness and readiness probes and a Prometheus scrape, with room to spare.
 PROBE_CONNECTIONS = 8
 # Descriptors kept out of the connection budget: the model load (shards, an engine's sockets and pipes),
@@ -162,7 +162,7 @@ class ConnectionGuard:
 def probes_only(app: ASGI3Application, max_connections: int) -> ASGI3Application:
     """`app` for a connection admitted beyond the cap: the probe paths, and a JSON 503 for anything else."""
     refusal = TooManyConnections(
-        f"all {max_connections} connections are in use; only /healthz, /readyz and /metrics are answered "
+        f"all {max_connections} connections are in use; only {', '.join(sorted(PROBE_PATHS))} are answered "
         "beyond them: retry later",
         headers={"connection": "close", "retry-after": "1"},
     )

@@ -8,7 +8,6 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -169,11 +168,6 @@ def test_probes_answer_while_large_answers_wait_for_readers_that_do_not_read(wid
     assert_still_serving(url)
 
 
-def server_rss_mib(server: ServerProcess) -> float:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
-
-
 def test_memory_stays_flat_across_twenty_large_answers(wide_server):
     url = wide_server.url
     body = tensor_wire.encode({"input_ids": ids(FITS)})
@@ -186,8 +180,8 @@ def test_memory_stays_flat_across_twenty_large_answers(wide_server):
 
         for _ in range(2):  # allocator and page-cache warm-up
             pull()
-        settled = server_rss_mib(wide_server)
+        settled = wide_server.memory_mib()["VmRSS"]
         for _ in range(20):
             pull()
-        grown = server_rss_mib(wide_server) - settled
+        grown = wide_server.memory_mib()["VmRSS"] - settled
     assert grown < answer_mib, f"RSS grew {grown:.0f} MiB over 20 answers of {answer_mib:.0f} MiB"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from eagle3_target.server.deps import StateDep, TargetDep
 
@@ -24,3 +25,7 @@ async def readyz(_target: TargetDep) -> dict[str, str]:
 async def metrics(state: StateDep) -> Response:
     body, content_type = state.metrics.exposition()
     return Response(body, media_type=content_type)
+
+
+# The probes' paths, for what must always let them through (auth, the connection cap).
+PROBE_PATHS = frozenset(route.path for route in router.routes if isinstance(route, APIRoute))
