@@ -58,10 +58,9 @@ class BodyBuffers:
         if size < self.min_bytes:
             return memoryview(bytearray(size))
         with self._lock:
-            fits = [array for array in self._idle if size <= array.size <= 2 * size]
-            array = min(fits, key=len) if fits else None
-            if array is not None:
-                self._idle.remove(array)
+            # By position, never `list.remove`: arrays compare element-wise, not by identity.
+            fits = [i for i, idle in enumerate(self._idle) if size <= idle.size <= 2 * size]
+            array = self._idle.pop(min(fits, key=lambda i: self._idle[i].size)) if fits else None
         if array is None:
             # numpy asks for transparent huge pages for large arrays: a fresh one faults per 2 MiB.
             array = np.empty(size, dtype=np.uint8)
@@ -73,7 +72,7 @@ class BodyBuffers:
         with self._lock:
             self._idle.append(array)
             if len(self._idle) > self.keep:
-                self._idle.remove(min(self._idle, key=len))
+                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].size))
 
 
 def read_body(response: http.client.HTTPResponse, buffers: BodyBuffers) -> memoryview:

@@ -65,3 +65,17 @@ def test_a_body_buffer_is_reused_only_once_nothing_views_it():
     gc.collect()
     assert torch.frombuffer(buffers.take(4000), dtype=torch.uint8).data_ptr() == address  # given back
     assert isinstance(buffers.take(100), memoryview)  # small bodies are not pooled
+
+
+def test_the_pool_picks_the_smallest_idle_buffer_that_fits_among_several():
+    buffers = BodyBuffers(keep=2, min_bytes=1024)
+    small, large = buffers.take(4096), buffers.take(8000)
+    small_address, large_address = (torch.frombuffer(b, dtype=torch.uint8).data_ptr() for b in (small, large))
+    del small, large
+    gc.collect()
+    assert torch.frombuffer(buffers.take(7000), dtype=torch.uint8).data_ptr() == large_address
+    assert torch.frombuffer(buffers.take(4096), dtype=torch.uint8).data_ptr() == small_address
+    held = [buffers.take(2048 * n) for n in (1, 2, 3)]  # three back at once: only `keep` of them stay
+    del held
+    gc.collect()
+    assert len(buffers._idle) == 2
