@@ -7,7 +7,6 @@ CRD may not even exist) are looked up by name once per operator process, then kn
 What a refused apply reports, and when it may be tried again, is kept with the rest of these writes.
 """
 
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,20 +66,24 @@ class ChildWrites:
     # What this process knows of children of UNWATCHED_KINDS (no index shows them): (kind, name) -> state,
     # None when looked up and absent. Filled by one lookup per process, then by applies.
     unwatched: dict[ChildKey, ChildState | None] = field(default_factory=dict)
-    # The last refused apply: the rendering's digests, what status reports, and when to try again.
-    refused: tuple[tuple[str, ...], Failure, float] | None = None
+    # The last refused apply: the rendering's digests and what status reports. Held until its retry timer
+    # calls `retry_due` (one deadline, the timer's: a second clock could disagree and leave none armed).
+    refused: tuple[tuple[str, ...], Failure] | None = None
 
     def still_refused(self, digests: tuple[str, ...]) -> Failure | None:
-        """The refusal to report again instead of applying: the same rendering, before its wait is over."""
-        if self.refused is not None:
-            refused_digests, failure, retry_at = self.refused
-            if refused_digests == digests and time.monotonic() < retry_at:
-                return failure
+        """The refusal to report again instead of applying: the same rendering, before its retry is due."""
+        if self.refused is not None and self.refused[0] == digests:
+            return self.refused[1]
         return None
 
-    def refuse(self, digests: tuple[str, ...], failure: Failure, delay: float) -> None:
-        """Remember a refused rendering: not applied again for `delay` seconds unless it changes."""
-        self.refused = (digests, failure, time.monotonic() + delay)
+    def refuse(self, digests: tuple[str, ...], failure: Failure) -> None:
+        """Remember a refused rendering: not applied again until `retry_due(failure)` unless it changes."""
+        self.refused = (digests, failure)
+
+    def retry_due(self, failure: Failure) -> None:
+        """The backoff after `failure` is over: the next pass applies (a later refusal keeps its own)."""
+        if self.refused is not None and self.refused[1] is failure:
+            self.refused = None
 
 
 class ChildApplier:

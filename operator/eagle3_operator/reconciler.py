@@ -10,6 +10,7 @@ inside a pass (probe.py), so a hung server cannot hold a reconcile worker.
 """
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -223,11 +224,19 @@ class Reconciler:
             return "invalid_spec"
         return "ok" if observation.apply_failure is None else "apply_refused"
 
-    def _retry_later(self, key: TargetKey, memory: _Memory) -> float:
-        """Ask for another pass after the next backoff delay; returns the delay."""
+    def _retry_later(
+        self, key: TargetKey, memory: _Memory, when_due: Callable[[], None] | None = None
+    ) -> float:
+        """Ask for another pass after the next backoff delay, calling `when_due` first; returns the delay."""
         delay = RETRY_DELAYS[min(memory.failures, len(RETRY_DELAYS) - 1)]
         memory.failures += 1
-        asyncio.get_running_loop().call_later(delay, self.request, key)
+
+        def retry() -> None:
+            if when_due is not None:
+                when_due()
+            self.request(key)
+
+        asyncio.get_running_loop().call_later(delay, retry)
         return delay
 
     async def _sync_children(
@@ -271,9 +280,9 @@ class Reconciler:
             )
         except (KubeError, NameConflict) as error:
             failure = error.failure()
-            delay = self._retry_later(key, memory)
+            writes.refuse(digests, failure)
+            delay = self._retry_later(key, memory, functools.partial(writes.retry_due, failure))
             logger.warning("%s/%s: %s; trying again in %.0fs", namespace, name, failure.message, delay)
-            writes.refuse(digests, failure, delay)
             return {}, failure
         writes.refused = None
         return applied, None

@@ -1,10 +1,10 @@
 """Apply decisions without a cluster: the rendered digest a child is stamped with (spec changes, removals
-included) and what counts as "someone else changed the child" (drift)."""
+included), what counts as "someone else changed the child" (drift), and how long a refused apply is held."""
 
 import copy
 
 import pytest
-from eagle3_operator.child_applier import matches
+from eagle3_operator.child_applier import ChildWrites, matches
 from eagle3_operator.constants import ANNOTATION_RENDERED_DIGEST
 from eagle3_operator.indexes import essence
 from eagle3_operator.render.children import build_children, rendered_digest, stamp_digest
@@ -13,6 +13,7 @@ from eagle3_operator.render.names import owner_reference
 from eagle3_operator.render.network import build_service
 from eagle3_operator.render.server_command import model_identity, server_args
 from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_operator.status.observation import Failure
 
 SPEC = Eagle3TargetSpec.parse(
     {
@@ -158,3 +159,20 @@ def test_model_identity_keeps_only_the_model_deciding_flags():
     assert identity[:4] == ("--model", "/models", "--engine", "hf")
     assert "--max-model-len" not in identity and "--engine-arg" not in identity and "--port" not in identity
     assert model_identity(server_args(SPEC.model_copy(update={"port": 9000}))) == identity
+
+
+def test_a_refusal_is_held_until_its_own_retry_is_due_and_no_longer():
+    """The hold ends when the timer armed with the refusal fires, whatever any clock says: a pass that
+    arrives first reports the refusal, the retry's pass applies again; an older timer ends no newer hold."""
+    writes = ChildWrites()
+    first = Failure("QuotaExceeded", "exceeded quota: gpus")
+    writes.refuse(("a", "b"), first)
+    assert writes.still_refused(("a", "b")) is first
+    assert writes.still_refused(("a", "c")) is None  # a changed rendering is applied at once
+
+    second = Failure("QuotaExceeded", "exceeded quota: gpus")
+    writes.refuse(("a", "c"), second)
+    writes.retry_due(first)  # the first refusal's timer: the second one still waits for its own
+    assert writes.still_refused(("a", "c")) is second
+    writes.retry_due(second)
+    assert writes.still_refused(("a", "c")) is None
