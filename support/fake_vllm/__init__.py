@@ -9,7 +9,9 @@ a real transformers forward of the (tiny) checkpoint:
 - `connector`: the capture files, locked, written and read as `ExampleHiddenStatesConnector` does;
 - `registry`: `ModelRegistry`, `supports_eagle3` and `_run_in_subprocess`, which decide EAGLE-3 support like
   vLLM does and record whether this process imported a model class (`CUDA_STATE`);
-- `outputs`: the sampling parameters and request outputs.
+- `outputs`: the sampling parameters and request outputs;
+- `vllm.platforms.current_platform`: CUDA's (the stand-in is the GPU build; the runner's CPU defaults are
+  tested against vLLM's CPU build itself).
 `install(monkeypatch)` puts these modules into `sys.modules` under vLLM's module names.
 """
 
@@ -27,6 +29,7 @@ from support.fake_vllm.engine_start import ENGINE_ARGS
 from support.fake_vllm.llm import LLM
 from support.fake_vllm.outputs import SamplingParams
 from support.fake_vllm.registry import (
+    CUDA_PLATFORM,
     CUDA_STATE,
     ModelRegistry,
     SupportsEagle3,
@@ -46,6 +49,7 @@ MODULES: dict[str, dict[str, Any]] = {
         "load_hidden_states": load_hidden_states,
         "cleanup_hidden_states": cleanup_hidden_states,
     },
+    "vllm.platforms": {"current_platform": CUDA_PLATFORM},
     "vllm.model_executor": {},
     "vllm.model_executor.models": {"ModelRegistry": ModelRegistry},
     "vllm.model_executor.models.registry": {

@@ -25,6 +25,14 @@ ENGINE_ARGS = frozenset(
 )
 
 
+# What vLLM says when `model_impl=transformers` meets `extract_hidden_states` (real vLLM's wording, checked
+# by tests/support/test_fake_vllm_against_vllm.py).
+TRANSFORMERS_BACKEND_FAILURE = (
+    "Cannot find model module. 'ExtractHiddenStatesModel' is not a registered model in the Transformers "
+    "library (only relevant if the model is meant to be in Transformers)"
+)
+
+
 @dataclass(frozen=True)
 class CaptureConfig:
     """What the configs ask the engine to capture: the capture ids as given, and where the files go."""
@@ -51,6 +59,10 @@ def check_configs(kwargs: Mapping[str, Any]) -> CaptureConfig:
         )
     if speculative_config.get("method") != "extract_hidden_states":
         raise ValueError(f"unsupported speculative method {speculative_config.get('method')!r}")
+    if kwargs.get("model_impl") == "transformers":
+        # SpeculativeConfig gives the draft the target's model_impl; the registry then resolves the draft's
+        # ExtractHiddenStatesModel in transformers (a pydantic ValidationError, a ValueError, in vLLM).
+        raise ValueError(TRANSFORMERS_BACKEND_FAILURE)
     if speculative_config.get("num_speculative_tokens") != 1:
         # ExtractHiddenStatesSpeculator.__init__ (Model Runner V2)
         raise ValueError("extract_hidden_states requires num_speculative_tokens to be 1")
@@ -77,7 +89,7 @@ def start_workers(
     the capture layers as that backend stores them; or the failure with which a worker ends engine start."""
     arch = config.architectures[0]
     registered = arch in ModelRegistry.models
-    backend = "transformers" if kwargs.get("model_impl") == "transformers" or not registered else "vllm"
+    backend = "vllm" if registered else "transformers"
     if backend == "vllm" and not supports_eagle3(ModelRegistry.models[arch].model_cls):
         # GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
         raise engine_core_failed(

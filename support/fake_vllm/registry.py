@@ -105,3 +105,13 @@ def _run_in_subprocess(fn: Callable[[], _T]) -> _T:
     if not ok:
         raise RuntimeError(f"Error raised in subprocess:\n{result}")
     return result
+
+
+class _CudaPlatform:
+    """`vllm.platforms.current_platform` on a GPU machine, as far as the runner asks."""
+
+    def is_cpu(self) -> bool:
+        return False
+
+
+CUDA_PLATFORM = _CudaPlatform()

@@ -53,8 +53,14 @@ def test_the_cpu_checks_pass_against_the_stand_in(script, model_dir, tmp_path):
     assert all(line["pass"] for line in lines), lines
     assert code == 0
     aux_order = lines[2]
-    assert set(aux_order["backends"]) == {"auto", "transformers"}
-    assert aux_order["backends"]["transformers"]["aux_layer_ids"] == aux_order["requested"] == [5, 1, 3]
+    assert aux_order["aux_layer_ids"] == aux_order["requested"] == [5, 1, 3]
+
+
+def test_cuda_only_checks_say_why_on_cpu_and_pass_nothing(script, model_dir, tmp_path):
+    code, lines = run_suite(script, model_dir, tmp_path, "--checks", "C9-cuda-in-parent,C7-memory-headroom")
+    assert [line["check"] for line in lines] == ["C9-cuda-in-parent", "C7-memory-headroom"]
+    assert all(line["pass"] is None and "needs a CUDA GPU" in line["reason"] for line in lines), lines
+    assert code == 0  # nothing failed
 
 
 def test_a_wrong_layer_fails_its_check_and_the_suite(script, model_dir, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 from eagle3_target.contract import default_aux_layer_ids
 from eagle3_target.runners.base import InvalidInput, ModelRefused, check_inputs, text_config
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
-from eagle3_target.runners.vllm_args import vllm_dtype_name, vllm_engine_kwargs
+from eagle3_target.runners.vllm_args import parse_positive_int, vllm_dtype_name, vllm_engine_kwargs
 from eagle3_target.runners.vllm_capture import (
     HIDDEN_STATES_CONNECTOR,
     HIDDEN_STATES_PATH_KEY,
@@ -40,6 +40,7 @@ from eagle3_target.runners.vllm_capture import (
     read_capture,
     rms_norm,
 )
+from eagle3_target.runners.vllm_cpu import with_cpu_defaults
 from eagle3_target.runners.vllm_refusals import (
     refuse_in_process_engine,
     refuse_unsupported_model,
@@ -124,12 +125,14 @@ class VLLMRunner:
         trust_remote_code: bool = False,
         hidden_states_dir: str | Path = DEFAULT_HIDDEN_STATES_DIR,
         capture_timeout_s: float | str = DEFAULT_CAPTURE_TIMEOUT_S,
+        max_batch_tokens: int | str | None = None,
         **engine_kwargs: object,
     ) -> VLLMRunner:
         """Start the engine. `hidden_states_dir` should be memory-backed: every request's capture passes
-        through it as a file; `capture_timeout_s` bounds the wait for one file's write. `engine_kwargs` are
-        vLLM engine arguments (see `vllm_engine_kwargs`). Everything that can be refused is refused before
-        the engine starts, with CUDA left uninitialised in this process."""
+        through it as a file; `capture_timeout_s` bounds the wait for one file's write; `max_batch_tokens`
+        (the server's) sizes the KV cache on vLLM's CPU platform. `engine_kwargs` are vLLM engine arguments
+        (see `vllm_engine_kwargs`). Everything that can be refused is refused before the engine starts, with
+        CUDA left uninitialised in this process."""
         model_path = str(model_path)
         typed_kwargs = vllm_engine_kwargs(engine_kwargs)
         try:
@@ -146,6 +149,12 @@ class VLLMRunner:
         refuse_unsupported_model(model_path, config)
         require_eagle3_support(getattr(full_config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
+        dtype_name = vllm_dtype_name(dtype)
+        try:
+            batch_tokens = None if max_batch_tokens is None else parse_positive_int(str(max_batch_tokens))
+        except ValueError as exc:
+            raise ModelRefused(f"max_batch_tokens={max_batch_tokens!r}: {exc}") from None
+        typed_kwargs = with_cpu_defaults(typed_kwargs, config, dtype_name, batch_tokens)
         Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="eagle3-target-", dir=hidden_states_dir))
         resolved_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -154,7 +163,7 @@ class VLLMRunner:
                 model_path,
                 config,
                 ids,
-                vllm_dtype_name(dtype),
+                dtype_name,
                 resolved_device,
                 run_dir,
                 trust_remote_code,

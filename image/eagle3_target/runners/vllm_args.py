@@ -98,6 +98,12 @@ REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "only the last pipeline stage builds the hidden-states cache layer, and vLLM 0.33's connector "
         "asserts it on every stage (engine start fails); use tensor_parallel_size to spread the model",
     ),
+    "model_impl": (
+        lambda impl: impl == "transformers",
+        "vLLM (0.32 and 0.33) gives the extract_hidden_states draft the target's model_impl, and its "
+        "Transformers backend has no ExtractHiddenStatesModel, so the engine cannot start; leave model_impl "
+        "at auto (vLLM's own model class) or use --engine hf",
+    ),
     "distributed_executor_backend": (
         lambda backend: backend == "external_launcher",
         "it sets VLLM_ENABLE_V1_MULTIPROCESSING=0, an in-process engine that writes a batch's capture files "
@@ -107,7 +113,7 @@ REFUSED_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 # Engine arguments that are the runner's own options (`VLLMRunner.from_pretrained` keywords), not vLLM's.
-RUNNER_OPTIONS = frozenset({"hidden_states_dir", "capture_timeout_s"})
+RUNNER_OPTIONS = frozenset({"hidden_states_dir", "capture_timeout_s", "max_batch_tokens"})
 
 
 def coerce_engine_arg(key: str, value: object) -> Any:

@@ -49,7 +49,8 @@ class LoadedTarget:
 
 
 def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
-    """Engine-specific keyword arguments: a sharded engine takes TP and context length; others one device."""
+    """Engine-specific keyword arguments: a sharded engine takes TP, context length and the batch budget
+    (which sizes its KV cache where no GPU share can); others run on one device."""
     if not ENGINES[settings.engine].sharded:
         if settings.tensor_parallel_size != 1:
             raise LoadFailed(
@@ -57,7 +58,10 @@ def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
                 "set --tensor-parallel-size 1 or use --engine vllm"
             )
         return dict(settings.engine_args)
-    extra: dict[str, Any] = {"tensor_parallel_size": settings.tensor_parallel_size}
+    extra: dict[str, Any] = {
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "max_batch_tokens": settings.max_batch_tokens,
+    }
     if settings.max_model_len is not None:
         extra["max_model_len"] = settings.max_model_len
     return {**extra, **settings.engine_args}

@@ -21,22 +21,24 @@ from eagle3_target.runners.vllm_args import RUNNER_OPTIONS
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.target import load_target
 
-from support.vllm_runner import open_runner, ragged_batch
+from support.vllm_runner import copy_model, open_runner, ragged_batch
 
 ATOL = 1e-5
 HIDDEN = 64
 
 
-@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+@pytest.mark.parametrize("registered", [True, False])
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
-def test_matches_hf_runner_on_ragged_batch(model_dir, model_impl, request, fake_vllm, shm):
-    """On both of vLLM's backends: native classes write the layers ascending, the Transformers backend in
-    the order it was given, so aux ids that are not ascending must still come back in order."""
+def test_matches_hf_runner_on_ragged_batch(model_dir, registered, request, fake_vllm, shm, tmp_path):
+    """On both of vLLM's backends: native classes write the layers ascending, the Transformers backend
+    (architectures vLLM does not register) in the order it was given, so aux ids that are not ascending
+    must still come back in order."""
     path = request.getfixturevalue(model_dir)
     aux = [5, 0, 3]
     hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=aux)
-    runner = open_runner(path, shm, aux_layer_ids=aux, model_impl=model_impl)
-    assert fake_vllm.LLM.created[-1].backend == ("transformers" if model_impl == "transformers" else "vllm")
+    served = path if registered else copy_model(path, tmp_path / "m", architectures=["TinyForCausalLM"])
+    runner = open_runner(served, shm, aux_layer_ids=aux)
+    assert fake_vllm.LLM.created[-1].backend == ("vllm" if registered else "transformers")
     input_ids, mask = ragged_batch(hf.model.config.vocab_size)
 
     logits, aux_states = runner.forward_eagle3(input_ids, mask)
