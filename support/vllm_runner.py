@@ -1,6 +1,7 @@
-"""The vLLM runner as the CPU tests open it on the vLLM stand-in (`support.fake_vllm`): fp32 on the CPU
-with captures under a test directory, a ragged batch to run, and tiny checkpoints copied with a changed
-config to reach the runner's refusals. Shared by the test modules of the runner's parts."""
+"""The vLLM runner as the CPU tests open it, on the vLLM stand-in (`support.fake_vllm`) or on real vLLM's
+CPU build: fp32 on the CPU with captures under a test directory, a ragged batch to run, and tiny
+checkpoints copied with a changed config to reach the runner's refusals. Shared by the test modules of the
+runner's parts, the server's and the operator's real-vLLM tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from typing import Any
 
 import torch
 from eagle3_target.runners.vllm import VLLMRunner
+
+# Engine arguments of the tests on real vLLM: eager, because compiling a tiny model doubles an engine's start
+# (about 40 s eager on two cores) and tests nothing the runner does.
+CPU_ENGINE_ARGS = {"enforce_eager": "true"}
 
 
 def ragged_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

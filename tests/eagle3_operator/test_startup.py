@@ -1,5 +1,6 @@
 """A target's start-up on the real control plane, with real server processes in its pods: a server that
-cannot load says why in the target's status within a minute, and a loading one shows its progress.
+cannot load says why in the target's status within a minute, a loading one shows its progress, and an
+`engine: vllm` target (vLLM's CPU build) goes Ready and serves what the HF engine computes.
 
 The pods run on the test kubelet's node (harness.Kubelet): each pod's own command runs as a process at the
 pod's IP, and its exits reach the API server as container terminations, as a kubelet reports them.
@@ -15,17 +16,24 @@ from typing import Any
 
 import kubernetes
 import pytest
+import torch
+from eagle3_target.client import TargetClient, resolve
+from eagle3_target.contract import build_batch
 from eagle3_target.protocol import API_VERSION, EXIT_LOAD_FAILED, GROUP, PLURAL, VERSION
+from eagle3_target.runners import load_runner
 from eagle3_target.tiny import write_tiny_model
 
 from support.cluster import nodes
 from support.cluster.access import Cluster
 from support.cluster.waiting import eventually
 from support.kubelet import Kubelet
+from support.supervision import token_batch
+from support.vllm_runner import CPU_ENGINE_ARGS
 
 pytestmark = pytest.mark.usefixtures("operator")
 
 REPORT_SECONDS = 60  # the issue's promise: the server's reason is in the target's status within a minute
+VLLM_READY_SECONDS = 300  # a vLLM engine's start on a loaded two-core machine, with room
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +189,29 @@ def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
 
     eventually(ready, "the target to turn Ready once its weights are complete", timeout=180)
     assert not warnings(cluster, op_namespace, "arriving")
+
+
+def test_a_vllm_target_goes_ready_and_serves_what_the_hf_engine_computes(
+    cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_llama_dir: Path
+):
+    manifest = on_kubelet(
+        "vllm", tiny_llama_dir, engine="vllm", engineArgs=dict(CPU_ENGINE_ARGS), startupTimeoutSeconds=600
+    )
+    manifest["spec"]["model"]["dtype"] = "float32"
+    create(cluster, op_namespace, manifest)
+
+    def ready() -> bool:
+        return condition(target(cluster, op_namespace, "vllm"), "Ready").get("status") == "True"
+
+    eventually(ready, "the vLLM target to turn Ready", timeout=VLLM_READY_SECONDS)
+    resolved = resolve("vllm", op_namespace, kubeconfig=str(cluster.kubeconfig))
+    assert resolved.model is not None and resolved.model.engine == "vllm"
+    input_ids, attention_mask, loss_mask = token_batch(seed=4, batch=2, seq=24)
+    with TargetClient(resolved.urls) as client:
+        got = client.batch(input_ids, attention_mask, loss_mask, format="hidden")
+    hf = load_runner("hf", tiny_llama_dir, dtype="float32", device="cpu")
+    want = build_batch(*hf.forward_eagle3(input_ids, attention_mask), input_ids, attention_mask, loss_mask)
+    assert got.logits is not None and want.logits is not None
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.aux_hidden_states, want.aux_hidden_states, atol=1e-4, rtol=1e-4)
+    assert not warnings(cluster, op_namespace, "vllm")

@@ -301,6 +301,11 @@ class VLLMRunner:
         return list(self._aux_layer_ids)
 
     @property
+    def engine(self) -> Any:
+        """The running `vllm.LLM`, for inspection (its `llm_engine.vllm_config` says what vLLM runs with)."""
+        return self._llm
+
+    @property
     def hidden_states_dir(self) -> Path:
         return self._hidden_states_dir
 

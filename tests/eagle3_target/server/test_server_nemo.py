@@ -8,55 +8,17 @@ import json
 
 import httpx
 import torch
-from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.wire import nemo as nemo_wire
 
+from support.nemo_client import (
+    assert_generate_matches,
+    generate,
+    loss_mask_for,
+    nemo_reference,
+    nemo_session,
+    set_mapping,
+)
 from support.supervision import assert_error, draft_mapping, token_batch
-
-SUPERVISION_KEYS = ["aux_hidden_states", "target_probs", "position_mask", "input_ids", "loss_mask"]
-
-
-def nemo_session() -> httpx.Client:
-    """Like NeMo's requests.Session: one pooled keep-alive connection, no client id."""
-    return httpx.Client(timeout=60, limits=httpx.Limits(max_connections=1), trust_env=False)
-
-
-def set_mapping(session: httpx.Client, url: str, mapping: VocabMapping) -> httpx.Response:
-    payload = nemo_wire.encode(
-        {"selected_token_ids": mapping.selected_token_ids, "selected_token_mask": mapping.selected_token_mask}
-    )
-    return session.post(
-        url + "/set_vocab_mapping", content=payload, headers={"Content-Type": "application/octet-stream"}
-    )
-
-
-def generate(session: httpx.Client, url: str, ids, mask, loss_mask) -> httpx.Response:
-    payload = nemo_wire.encode({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask})
-    return session.post(
-        url + "/generate", content=payload, headers={"Content-Type": "application/octet-stream"}
-    )
-
-
-def nemo_reference(runner, ids, mask, loss_mask, mapping: VocabMapping) -> dict[str, torch.Tensor]:
-    logits, aux = runner.forward_eagle3(ids, mask)
-    batch = build_batch(logits, aux, ids, mask, loss_mask, mapping=mapping)
-    return {name: getattr(batch, name) for name in SUPERVISION_KEYS}
-
-
-def loss_mask_for(mask: torch.Tensor) -> torch.Tensor:
-    loss_mask = mask.clone()
-    loss_mask[:, :3] = 0  # the prompt is not supervised
-    return loss_mask
-
-
-def assert_generate_matches(response: httpx.Response, want: dict[str, torch.Tensor]) -> None:
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"] == "application/octet-stream"
-    got = nemo_wire.decode(response.content)
-    assert list(got) == SUPERVISION_KEYS  # NeMo's order
-    for name in SUPERVISION_KEYS:
-        assert got[name].dtype == want[name].dtype, name
-        assert torch.equal(got[name], want[name]), name
 
 
 def test_nemo_client_protocol(server, reference_runner):
