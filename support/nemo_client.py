@@ -57,7 +57,6 @@ def assert_generate_matches(response: httpx.Response, want: dict[str, Tensor], a
     got = nemo_wire.decode(response.content)
     assert list(got) == SUPERVISION_KEYS  # NeMo's order
     for name in SUPERVISION_KEYS:
-        assert got[name].dtype == want[name].dtype, name
-        torch.testing.assert_close(
-            got[name], want[name], atol=atol, rtol=atol, msg=lambda m, at=name: f"{at}: {m}"
-        )
+        tensor = got[name]
+        assert tensor is not None and tensor.dtype == want[name].dtype, name
+        torch.testing.assert_close(tensor, want[name], atol=atol, rtol=atol, msg=f"{name} differs")
