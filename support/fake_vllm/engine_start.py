@@ -69,7 +69,8 @@ def check_configs(kwargs: Mapping[str, Any]) -> CaptureConfig:
     hf_config = speculative_config.get("draft_model_config", {}).get("hf_config", {})
     layer_ids = list(hf_config.get("eagle_aux_hidden_state_layer_ids") or [])
     if not layer_ids:
-        raise ValueError(
+        # The proposer's __init__, in the worker (ExtractHiddenStatesProposer / ...Speculator).
+        raise engine_core_failed(
             "eagle_aux_hidden_state_layer_ids must be set in the draft model config for "
             "extract_hidden_states method"
         )

@@ -39,7 +39,7 @@ def stand_in_engine(model_dir: Path, shm: Path, capture_ids: list[int], **kwargs
             ValueError,
             r"'ExtractHiddenStatesModel' is not a registered model in the Transformers library",
         ),
-        ([], {}, ValueError, r"eagle_aux_hidden_state_layer_ids must be set"),
+        ([], {}, RuntimeError, r"initialization failed.*eagle_aux_hidden_state_layer_ids must be set"),
         (
             [2, 4, 8],
             {"pipeline_parallel_size": 2},
