@@ -6,7 +6,8 @@
 3. the operator, run as a local process with the chart's ServiceAccount credentials (no image can be built
    here), so it has exactly the chart's RBAC,
 4. a tiny random-weight model whose config is on the node but whose weights are still being copied, and
-   `kubectl apply -f examples/quickstart.yaml`,
+   `kubectl apply -f examples/quickstart.yaml` (with `--engine vllm`, `make demo ENGINE=vllm`: the same
+   target on the vLLM engine, which here is vLLM's CPU build),
 5. for every pod the Deployment gets, the pod's own `eagle3-target serve` command line run for real at the
    pod's IP (what the kubelet would do; kwok only pretends to run containers),
 6. the target's progress as its server reports it (waiting for the weights, then loading them), the weights
@@ -26,12 +27,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import kubernetes
 import torch
+import typer
+import yaml
 from eagle3_operator.render.names import selector_labels
 from eagle3_target.client import TargetClient, resolve
+from eagle3_target.engines import ENGINES
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
@@ -47,6 +51,14 @@ TARGET_NAMESPACE = "default"
 OPERATOR_NAMESPACE = "eagle3-system"
 RELEASE = "eagle3-operator"
 BATCH, SEQUENCE = 4, 128
+# What the quickstart becomes on the vLLM engine: one (here simulated) GPU per pod, as vLLM needs, an eager
+# engine (compiling a tiny model on CPU doubles its start), and room for that start.
+VLLM_SPEC = {
+    "engine": "vllm",
+    "tensorParallelSize": 1,
+    "engineArgs": {"enforce_eager": "true"},
+    "startupTimeoutSeconds": 300,
+}
 _started = time.monotonic()
 
 
@@ -174,7 +186,19 @@ def report(cluster: Cluster) -> None:
           f"(client stats: {dict(wire)})")  # fmt: skip
 
 
-def main() -> None:
+def quickstart(engine: str) -> str:
+    """examples/quickstart.yaml for `engine` (it is written for hf)."""
+    manifest = yaml.safe_load(QUICKSTART.read_text())
+    if engine == "vllm":
+        manifest["spec"] |= VLLM_SPEC
+    return yaml.safe_dump(manifest, sort_keys=False)
+
+
+def main(
+    engine: Annotated[str, typer.Option(help=f"the target's engine, one of {', '.join(ENGINES)}")] = "hf",
+) -> None:
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"expected one of {', '.join(ENGINES)}", param_hint="--engine")
     work = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
     with contextlib.ExitStack() as stack:
         step("starting a local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)")
@@ -218,8 +242,12 @@ def main() -> None:
             shutil.copy(file, model_dir)
         print(f"    {model_dir}: {', '.join(sorted(f.name for f in model_dir.iterdir()))}")
 
-        step(f"kubectl apply -f {QUICKSTART.relative_to(REPO)}")
-        print(cluster.kubectl("apply", "-f", str(QUICKSTART), "-n", TARGET_NAMESPACE).stdout.strip())
+        step(
+            f"kubectl apply -f {QUICKSTART.relative_to(REPO)}"
+            + (f" (engine {engine})" if engine != "hf" else "")
+        )
+        applied = cluster.kubectl("apply", "-f", "-", "-n", TARGET_NAMESPACE, input=quickstart(engine))
+        print(applied.stdout.strip())
 
         step("the operator renders a Deployment; each scheduled pod's server starts at the pod's IP")
         servers = PodServers(cluster, stack, work)
@@ -259,7 +287,7 @@ def _answers(url: str, child: subprocess.Popen[bytes]) -> bool:
 
 if __name__ == "__main__":
     try:
-        main()
+        typer.run(main)
     except KeyboardInterrupt:
         print("\ninterrupted: everything the demo started has been stopped", file=sys.stderr)
         sys.exit(130)

@@ -99,3 +99,7 @@ app.add_typer(export_app, name="export")
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":  # `python -m eagle3_target.cli`, where the console script is not installed
+    main()

@@ -1,6 +1,7 @@
 """`make demo` end to end: the README's main command must keep working, so the suite runs it as a user would
 (its own control plane, helm install, the operator under the chart's ServiceAccount, real pod servers,
-resolve by name, a supervision batch) and reads what it prints."""
+resolve by name, a supervision batch) and reads what it prints: on the HF engine (`make demo`) and on vLLM's
+CPU build (`make demo ENGINE=vllm`)."""
 
 import os
 import re
@@ -8,16 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from support.cluster import nodes
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_demo_runs_end_to_end_and_cleans_up():
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_demo_runs_end_to_end_and_cleans_up(engine):
     env = {**os.environ, "NO_PROXY": "*"}
     env.pop("KUBECONFIG", None)
     done = subprocess.run(
-        [sys.executable, "-m", "examples.demo"],
+        [sys.executable, "-m", "examples.demo", "--engine", engine],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -31,7 +35,7 @@ def test_demo_runs_end_to_end_and_cleans_up():
     assert progress and progress.start() < output.index("condition met"), output[-4000:]
     assert "eagle3target.eagle3.dev/quickstart condition met" in output
     # NAME READY REASON AVAILABLE READY/DESIRED ENGINE MODEL
-    columns = r"quickstart\s+True\s+AllReplicasReady\s+True\s+1/1\s+hf\s+tiny-llama"
+    columns = rf"quickstart\s+True\s+AllReplicasReady\s+True\s+1/1\s+{engine}\s+tiny-llama"
     assert re.search(columns, output), output[-4000:]
     assert re.search(rf"endpoints:\s+http://127\.{nodes.POD_NET}\.\d+\.\d+:8000", output)
     assert re.search(r"aux_hidden_states\s+\(4, 128, 192\)\s+float32", output)
