@@ -33,9 +33,9 @@ def test_cli_writes_a_loadable_model(tmp_path):
 
 
 def test_cli_reports_bad_parameters(tmp_path):
-    result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "m"), "--hidden", "36"])
+    result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "m"), "--hidden", "34"])
     assert result.exit_code == 2
-    assert "multiple of 8" in result.output
+    assert "multiple of 4" in result.output
     result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "m"), "--arch", "gpt2"])
     assert result.exit_code == 2
 

@@ -174,7 +174,9 @@ def test_two_specforge_training_steps_give_the_same_losses_and_weights(
     served = train(feature_dirs["served"], bf16_model_dir, tmp_path / "served", capsys)
     reference = train(feature_dirs["reference"], bf16_model_dir, tmp_path / "reference", capsys)
     assert len(served) == 2 and served == reference
-    assert all(step["loss"] > 0 for step in served)
+    # A batch whose supervised positions all have their target token outside the draft vocabulary has
+    # loss 0 (random tiny models make some); the weights after both steps must still have moved the same.
+    assert any(step["loss"] > 0 for step in served), served
     states = [
         torch.load(tmp_path / name / "run" / "specforge-run-step2" / "training_state.pt", weights_only=False)
         for name in ("served", "reference")
