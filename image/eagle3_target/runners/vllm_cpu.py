@@ -32,7 +32,11 @@ ADAPTED_MARK = "_eagle3_target_cpu_adapted"
 
 # vLLM's legacy variable for the CPU KV cache (GiB); when set it wins over `kv_cache_memory_bytes`.
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
-# Headroom on the cache the runner asks for: block rounding per row, the step's generated token.
+# The cache is allocated in blocks, per KV cache group (the attention layers; the captured layers): the
+# tokens asked for are rounded up to whole blocks of the largest size a CPU backend uses, plus one spare
+# block per group, then given headroom (rows rounded to blocks, the step's generated token).
+KV_CACHE_BLOCK_TOKENS = 256
+KV_CACHE_GROUPS = 2
 KV_CACHE_HEADROOM = 1.25
 
 
@@ -54,9 +58,10 @@ def cpu_kv_cache_bytes(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     row = max_model_len or config.max_position_embeddings
     tokens = max(row, max_batch_tokens or 0)
+    blocks = -(-tokens // KV_CACHE_BLOCK_TOKENS) + KV_CACHE_GROUPS
     itemsize = 4 if dtype_name == "auto" else getattr(torch, dtype_name).itemsize
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim + (NUM_AUX_LAYERS + 1) * config.hidden_size
-    return int(per_token * itemsize * tokens * KV_CACHE_HEADROOM)
+    return int(per_token * itemsize * blocks * KV_CACHE_BLOCK_TOKENS * KV_CACHE_HEADROOM)
 
 
 def with_cpu_defaults(

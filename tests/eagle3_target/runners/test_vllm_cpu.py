@@ -80,12 +80,19 @@ def test_the_cpu_kv_cache_holds_a_whole_batch_or_one_longest_row(tiny_llama_dir)
     config = AutoConfig.from_pretrained(tiny_llama_dir)  # 8 layers, 1 KV head of 32, hidden 64
     per_token = 2 * 8 * 1 * 32 + 4 * 64  # keys and values, plus the 4 captured layers
     assert config.head_dim == 32 and config.num_key_value_heads == 1
-    headroom = vllm_cpu.KV_CACHE_HEADROOM
-    assert kv_bytes(config, "float32", 512, 4096) == int(per_token * 4 * 4096 * headroom)
+
+    block = vllm_cpu.KV_CACHE_BLOCK_TOKENS
+
+    def allocated(tokens: int, itemsize: int) -> int:  # whole blocks, one spare per cache group, headroom
+        blocks = -(-tokens // block) + vllm_cpu.KV_CACHE_GROUPS
+        return int(per_token * itemsize * blocks * block * vllm_cpu.KV_CACHE_HEADROOM)
+
+    assert kv_bytes(config, "float32", 512, 4096) == allocated(4096, 4)
     # A batch smaller than one row of max_model_len; no limits at all: the config's longest row, as fp32.
-    assert kv_bytes(config, "bfloat16", 512, 100) == int(per_token * 2 * 512 * headroom)
-    longest = config.max_position_embeddings
-    assert kv_bytes(config, "auto", None, None) == int(per_token * 4 * longest * headroom)
+    assert kv_bytes(config, "bfloat16", 512, 100) == allocated(512, 2)
+    assert kv_bytes(config, "auto", None, None) == allocated(config.max_position_embeddings, 4)
+    # A short row still gets a whole block per group (vLLM refuses a cache without one).
+    assert kv_bytes(config, "float32", 65, None) >= per_token * 4 * block * (1 + vllm_cpu.KV_CACHE_GROUPS)
 
 
 def test_the_kv_cache_size_someone_set_wins(tiny_llama_dir, monkeypatch):
