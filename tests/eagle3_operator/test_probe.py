@@ -1,9 +1,10 @@
 """Probing target servers over real sockets: answers are parsed strictly, failures are told apart and never
-raise, a hung server costs one timeout and blocks nobody else, and a serving endpoint flips to not ready
-only after consecutive failures.
+raise, a hung or trickling server costs one deadline and blocks nobody else, bodies are capped, a serving
+endpoint flips to not ready only after consecutive failures, and an external endpoint's status tells only
+whether a target server answers there.
 
 The servers are the target server's own app with a tiny model (ServerFarm) and raw asyncio sockets that
-accept connections and never answer.
+accept connections and never answer, trickle an answer a byte at a time, or answer with a huge body.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-from eagle3_operator.probe import NOT_PROBED, Prober
+from eagle3_operator.probe import MAX_PROBE_BODY, NO_TARGET_SERVER, NOT_PROBED, Prober
 from eagle3_operator.status.observation import ProbeResult
 from eagle3_target.hydrate import ProgressTracker, serve_progress
 from eagle3_target.protocol import HydrationProgress
@@ -40,6 +41,43 @@ async def check(url: str) -> ProbeResult:
         return await prober.check(url)
     finally:
         await prober.close()
+
+
+@asynccontextmanager
+async def raw_server(answer: bytes, pause: float = 0.0) -> AsyncIterator[str]:
+    """Answers every request with `answer`, a byte every `pause` seconds when `pause` is set."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        try:
+            if not pause:
+                writer.write(answer)
+                await writer.drain()
+            for byte in answer if pause else b"":
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(pause)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.create_task(send(reader, writer))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    server = await asyncio.start_server(accept, LOOPBACK, 0)
+    try:
+        yield f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for task in list(tasks):
+            task.cancel()
+        server.close()
+
+
+TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"x" * 4096
 
 
 @asynccontextmanager
@@ -206,3 +244,86 @@ def test_many_hung_servers_leave_healthy_ones_ready(servers: ServerFarm):
             await prober.close()
 
     assert asyncio.run(scenario()) < 5
+
+
+def test_a_trickling_server_costs_one_deadline_and_a_huge_body_is_not_read():
+    async def scenario() -> tuple[ProbeResult, float, ProbeResult, ProbeResult]:
+        prober: Prober[str] = Prober(lambda key: None, interval=60, timeout=FAST, deadline=1.0)
+        huge = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % (4 * MAX_PROBE_BODY)
+        try:
+            # Each byte comes within the read timeout, so only the total deadline ends the probe.
+            async with raw_server(TRICKLE, pause=0.1) as trickling, raw_server(huge + b"{" * 4 * MAX_PROBE_BODY) as big:
+                began = time.monotonic()
+                slow = await prober.check(trickling)
+                took = time.monotonic() - began
+                headers = TRICKLE.split(b"\r\n\r\n")[0]
+                async with raw_server(headers + b"\r\n\r\n", pause=0.1) as trickled_headers:
+                    return slow, took, await prober.check(trickled_headers), await prober.check(big)
+        finally:
+            await prober.close()
+
+    slow, took, slow_headers, big = asyncio.run(scenario())
+    assert (slow.ready, slow.reachable, slow.timed_out) == (False, False, True) and took < 2, (slow, took)
+    assert "no answer in time" in slow.error and slow_headers.timed_out
+    assert not big.ready and big.error == f"answered with more than {MAX_PROBE_BODY} bytes"
+
+
+def test_a_hundred_trickling_endpoints_leave_a_new_healthy_one_its_first_verdict_in_one_period(
+    servers: ServerFarm,
+):
+    """Trickling endpoints, once they have stalled a probe, are probed from their own small pool: a target
+    created among them gets its first verdict at once, well within one probe period."""
+    period = 3.0
+
+    async def scenario() -> float:
+        prober: Prober[str] = Prober(lambda key: None, interval=period, timeout=FAST, deadline=0.5, limit=8)
+        try:
+            async with raw_server(TRICKLE, pause=0.1) as trickling:
+                prober.watch("hostile", {f"e{i}": f"{trickling}/{i}" for i in range(100)})
+                stalled = prober._endpoints["hostile"].values()
+                began = time.monotonic()
+                while not all(endpoint.stalled for endpoint in stalled):
+                    assert time.monotonic() - began < 30
+                    await asyncio.sleep(0.05)
+                began = time.monotonic()
+                while not prober.watch("ok", {"pod": url_of(servers)})["pod"].ready:
+                    assert time.monotonic() - began < period
+                    await asyncio.sleep(0.02)
+                return time.monotonic() - began
+        finally:
+            await prober.close()
+
+    assert asyncio.run(scenario()) < 1.0
+
+
+def test_an_external_endpoint_tells_only_whether_a_target_server_answers(servers: ServerFarm):
+    """Without disclosure, a closed port, a web server's 404, a hung socket and a trickle all read the
+    same; a target server reads as it is."""
+    not_found = b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\n\r\nnot found"
+
+    async def scenario() -> dict[str, ProbeResult]:
+        prober: Prober[str] = Prober(lambda key: None, interval=0.1, timeout=FAST, deadline=0.5)
+        try:
+            async with raw_server(not_found) as web, hung_server() as hung:
+                addresses = {
+                    "closed": f"http://{LOOPBACK}:{free_port()}",
+                    "web": web,
+                    "hung": hung,
+                    "target": url_of(servers),
+                }
+                for name, url in addresses.items():
+                    prober.watch(name, {name: url}, disclose=False)
+                began = time.monotonic()
+                while True:
+                    results = {name: prober.watch(name, {name: url}, disclose=False)[name] for name, url in addresses.items()}
+                    if all(result is not NOT_PROBED for result in results.values()):
+                        return results
+                    assert time.monotonic() - began < 10
+                    await asyncio.sleep(0.05)
+        finally:
+            await prober.close()
+
+    results = asyncio.run(scenario())
+    assert results["target"].ready and results["target"].info is not None
+    for name in ("closed", "web", "hung"):
+        assert results[name] == ProbeResult(ready=False, reachable=False, error=NO_TARGET_SERVER), name

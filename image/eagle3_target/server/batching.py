@@ -85,8 +85,9 @@ class EngineWorker:
             self._queue.clear()
             self._queue.append(None)
             self._cond.notify()
-        for job in pending:
-            job.future.set_exception(RuntimeError("server shutting down"))
+        for job in pending:  # a request that was cancelled while it waited has no one left to tell
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(RuntimeError("server shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 

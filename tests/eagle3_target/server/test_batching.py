@@ -153,3 +153,24 @@ def test_host_outputs_of_a_cpu_engine_are_its_own_tensors_with_nothing_to_wait_f
         worker.stop()
     assert not outputs.pending and outputs.copied is None
     assert outputs.wait()["tripled"] is produced[0]  # no copy on the way to the response
+
+
+def test_stop_fails_the_waiting_jobs_and_skips_the_cancelled_ones():
+    """A request gone while its job waited has cancelled its future; stopping must not trip over it (the
+    later jobs still learn of the shutdown and the thread ends, so the engine can be closed)."""
+    worker = EngineWorker(max_queue=4, max_batch_tokens=64, metrics=ServerMetrics())
+    blocker = Blocker()
+    worker.start()
+    first = worker.submit(blocker.job)
+    assert blocker.running.wait(timeout=30)
+    cancelled, waiting = worker.submit(job(1, 4, 0)), worker.submit(job(1, 4, 100))
+    assert cancelled.cancel()
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    blocker.release.set()
+    stopping.join(timeout=30)
+    assert not stopping.is_alive() and not worker._thread.is_alive()
+    assert first.result(timeout=5).wait()["doubled"].tolist() == [[0]]
+    assert cancelled.cancelled()
+    with pytest.raises(RuntimeError, match="server shutting down"):
+        waiting.result(timeout=5)
