@@ -1,18 +1,26 @@
 """Ask target servers whether they serve, and what (GET /readyz, then GET /v1/info), apart from reconciles.
 
 Probing runs in its own tasks with its own concurrency bound, so a slow or hung server costs only a probe
-slot for one timeout and never holds a reconcile worker. Every tracked endpoint is probed on its own
-jittered period; the reconcile pass only reads the latest published result and is asked for again when a
-result changes. A serving endpoint is published as not ready only after `failure_threshold` consecutive
-failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never served is
-published as the probe finds it, so its error shows at once. /v1/info is immutable for a server's
-lifetime, so it is fetched once per serving streak and only /readyz is asked after that.
+slot for one deadline and never holds a reconcile worker. Each GET has a total deadline (connect, headers
+and body together) and reads at most a capped body, so an endpoint that trickles bytes costs as much as one
+that never answers; an endpoint whose last probe ran out of time is probed from a small pool of its own,
+so endpoints that stall cannot take the slots of the ones that answer. Every tracked endpoint is probed on
+its own jittered period; the reconcile pass only reads the latest published result and is asked for again
+when a result changes. A serving endpoint is published as not ready only after `failure_threshold`
+consecutive failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never
+served is published as the probe finds it, so its error shows at once. /v1/info is immutable for a
+server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that.
 
 Probes carry no credentials: /readyz and /v1/info answer without the token (the data routes do not), so
-nothing a resource's author writes can make the operator send a secret anywhere.
+nothing a resource's author writes can make the operator send a secret anywhere. An external endpoint
+(`spec.endpoint.url`, which anyone who may create a target writes) is watched without disclosure: unless a
+target server answers there, status says only that none does, never what answered (a status code, a
+refused connection or a timeout would make the operator's network position a port scanner); the operator's
+log has the detail.
 """
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Callable, Hashable, Mapping
@@ -30,17 +38,31 @@ logger = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
 
 PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
+# One GET, connect to last body byte: what PROBE_TIMEOUT bounds per read, for the whole request.
+PROBE_DEADLINE_S = 5.0
 MAX_CONCURRENT_PROBES = 64
-MAX_NOT_READY_BODY = 64 * 1024  # a loading server's 503 is a few hundred bytes; anything larger is not read
+# Endpoints whose last probe got no answer share this many slots, apart from the others.
+MAX_CONCURRENT_SUSPECT_PROBES = 8
+# The most a probe reads of a body: /readyz's 503 and /v1/info are a few hundred bytes each.
+MAX_PROBE_BODY = 64 * 1024
+NO_TARGET_SERVER = "no target server answers there"
 FAILURE_THRESHOLD = 3
 JITTER = 0.1  # each period is interval × (1 ± JITTER), so endpoints tracked together drift apart
 NOT_PROBED = ProbeResult(ready=False, error=NOT_PROBED_YET)
 
 
+class _BodyTooLarge(Exception):
+    """A probed body beyond MAX_PROBE_BODY: not a target server's answer."""
+
+
 @dataclass
 class _Endpoint:
     url: str
+    disclose: bool = (
+        True  # publish what answered; an external endpoint publishes only "a target server or not"
+    )
     published: ProbeResult = NOT_PROBED
+    stalled: bool = False  # its last probe ran out of time: the next one waits for a suspect slot
     failures: int = 0  # consecutive failed probes
     info: ServedModel | None = None  # /v1/info of the current serving streak
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -56,11 +78,15 @@ class Prober(Generic[K]):
         interval: float,
         failure_threshold: int = FAILURE_THRESHOLD,
         timeout: httpx.Timeout = PROBE_TIMEOUT,
+        deadline: float = PROBE_DEADLINE_S,
         limit: int = MAX_CONCURRENT_PROBES,
+        suspect_limit: int = MAX_CONCURRENT_SUSPECT_PROBES,
     ) -> None:
         # trust_env=False: probes go to pod IPs directly, never through a proxy from the environment.
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
+        self._deadline = deadline
         self._slots = asyncio.Semaphore(limit)
+        self._suspect_slots = asyncio.Semaphore(suspect_limit)
         self._on_change = on_change
         self._interval = interval
         self._threshold = failure_threshold
@@ -71,17 +97,19 @@ class Prober(Generic[K]):
         """How many endpoints are being probed (the operator's liveness detail)."""
         return sum(len(endpoints) for endpoints in self._endpoints.values())
 
-    def watch(self, key: K, addresses: Mapping[str, str]) -> dict[str, ProbeResult]:
+    def watch(self, key: K, addresses: Mapping[str, str], *, disclose: bool = True) -> dict[str, ProbeResult]:
         """Probe exactly these endpoints (name → base URL) for `key` from now on; return their latest results.
 
         New endpoints are probed at once and read NOT_PROBED until then; endpoints no longer listed stop.
+        Without `disclose` (endpoints a resource's author chose), a result that is not a target server's
+        answer is published as NO_TARGET_SERVER only.
         """
         endpoints = self._endpoints.setdefault(key, {})
         for name in [n for n, e in endpoints.items() if addresses.get(n) != e.url]:
             self._stop(endpoints.pop(name))
         for name, url in addresses.items():
             if name not in endpoints:
-                endpoint = endpoints[name] = _Endpoint(url.rstrip("/"))
+                endpoint = endpoints[name] = _Endpoint(url.rstrip("/"), disclose)
                 endpoint.task = asyncio.create_task(self._run(key, endpoint), name=f"probe {url}")
         if not endpoints:
             del self._endpoints[key]
@@ -96,20 +124,25 @@ class Prober(Generic[K]):
             self.forget(key)
         await self._client.aclose()
 
-    async def check(self, base_url: str, info: ServedModel | None = None) -> ProbeResult:
-        """One probe, never raising: /readyz, then /v1/info unless `info` is already known for this server."""
-        async with self._slots:
+    async def check(
+        self, base_url: str, info: ServedModel | None = None, *, suspect: bool = False
+    ) -> ProbeResult:
+        """One probe, never raising: /readyz, then /v1/info unless `info` is already known for this server.
+        A `suspect` endpoint (its last probe got no answer) waits for a slot of its own pool."""
+        async with self._suspect_slots if suspect else self._slots:
             try:
-                ready = await self._client.get(f"{base_url}/readyz")
-                if ready.status_code != 200:
-                    result = _not_ready(ready)
+                status, body = await self._get(f"{base_url}/readyz")
+                if status != 200:
+                    result = _not_ready(status, body)
                 elif info is not None:
                     result = ProbeResult(ready=True, info=info)
                 else:
-                    result = _parse_info(await self._client.get(f"{base_url}/v1/info"))
-            except httpx.TimeoutException as error:
+                    result = _parse_info(*await self._get(f"{base_url}/v1/info"))
+            except (TimeoutError, httpx.TimeoutException) as error:
                 error_text = f"no answer in time ({_name(error)})"
-                result = ProbeResult(ready=False, reachable=False, error=error_text)
+                result = ProbeResult(ready=False, reachable=False, error=error_text, timed_out=True)
+            except _BodyTooLarge:
+                result = ProbeResult(ready=False, error=f"answered with more than {MAX_PROBE_BODY} bytes")
             except Exception as error:  # every failure is a result, never an escape:
                 # httpx's InvalidURL and StreamError are no HTTPErrors, and its connect path lets OSError,
                 # or an ExceptionGroup around OverflowError (a port > 65535), through.
@@ -117,24 +150,36 @@ class Prober(Generic[K]):
         metrics.PROBES.labels(outcome="ready" if result.ready else "not_ready").inc()
         return result
 
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        """One GET's status and body, within the deadline and the body cap (TimeoutError, _BodyTooLarge)."""
+        async with asyncio.timeout(self._deadline), self._client.stream("GET", url) as response:
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_PROBE_BODY:
+                    raise _BodyTooLarge
+            return response.status_code, bytes(body)
+
     async def hydration_progress(self, url: str) -> HydrationProgress | None:
         """What a running hydration pod says it has done; None when it does not answer (yet)."""
         async with self._slots:
             try:
-                response = await self._client.get(url)
-                return (
-                    HydrationProgress.model_validate_json(response.content) if response.is_success else None
-                )
-            except (httpx.TransportError, ValidationError):
+                status, body = await self._get(url)
+                return HydrationProgress.model_validate_json(body) if 200 <= status < 300 else None
+            except (TimeoutError, _BodyTooLarge, httpx.TransportError, ValidationError):
                 return None
 
     async def _run(self, key: K, endpoint: _Endpoint) -> None:
         while True:
             try:
-                result = await self.check(endpoint.url, endpoint.info)
+                result = await self.check(endpoint.url, endpoint.info, suspect=endpoint.stalled)
             except Exception as error:  # a bug must not end this endpoint's probing silently
                 logger.exception("probe of %s failed", endpoint.url)
                 result = ProbeResult(ready=False, error=f"probe failed: {_name(error)}")
+            endpoint.stalled = result.timed_out
+            if not endpoint.disclose and not _from_a_target_server(result):
+                logger.info("probe of %s: %s", endpoint.url, result.error)
+                result = ProbeResult(ready=False, reachable=False, error=NO_TARGET_SERVER)
             if self._record(endpoint, result):
                 self._on_change(key)
             await asyncio.sleep(self._interval * random.uniform(1 - JITTER, 1 + JITTER))
@@ -163,23 +208,26 @@ def _name(error: BaseException) -> str:
     return type(error).__name__
 
 
-def _not_ready(response: httpx.Response) -> ProbeResult:
+def _from_a_target_server(result: ProbeResult) -> bool:
+    """Whether a target server gave this result: it serves, or it said how far its load has come."""
+    return result.ready or result.progress is not None
+
+
+def _not_ready(status: int, body: bytes) -> ProbeResult:
     """A /readyz refusal; a loading server's 503 also says how far its load has come (LoadProgress)."""
-    error = f"/readyz answered {response.status_code}"
-    if len(response.content) > MAX_NOT_READY_BODY:
-        return ProbeResult(ready=False, error=error)
+    error = f"/readyz answered {status}"
     try:
-        progress = LoadProgress.model_validate(response.json()["loading"])
+        progress = LoadProgress.model_validate(json.loads(body)["loading"])
     except (ValueError, KeyError, TypeError):  # not our server's 503 (ValidationError is a ValueError)
         return ProbeResult(ready=False, error=error)
     return ProbeResult(ready=False, error=f"{error}: {progress.message}", progress=progress.message)
 
 
-def _parse_info(response: httpx.Response) -> ProbeResult:
-    if response.status_code != 200:
-        return ProbeResult(ready=False, error=f"/v1/info answered {response.status_code}")
+def _parse_info(status: int, body: bytes) -> ProbeResult:
+    if status != 200:
+        return ProbeResult(ready=False, error=f"/v1/info answered {status}")
     try:
-        info = TargetInfo.model_validate_json(response.content)
+        info = TargetInfo.model_validate_json(body)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])

@@ -316,7 +316,8 @@ class Reconciler:
         namespace, name = key
         if spec.external:
             url = service_url(name, namespace, spec)
-            probes = self._prober.watch(key, {} if spec.suspend else {url: url})
+            # A URL the resource's author chose: status tells only whether a target server answers there.
+            probes = self._prober.watch(key, {} if spec.suspend else {url: url}, disclose=False)
             return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
         deployments = [c.deployment for c in self._children.owned(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else only(deployments)

@@ -252,7 +252,10 @@ def test_a_trickling_server_costs_one_deadline_and_a_huge_body_is_not_read():
         huge = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % (4 * MAX_PROBE_BODY)
         try:
             # Each byte comes within the read timeout, so only the total deadline ends the probe.
-            async with raw_server(TRICKLE, pause=0.1) as trickling, raw_server(huge + b"{" * 4 * MAX_PROBE_BODY) as big:
+            async with (
+                raw_server(TRICKLE, pause=0.1) as trickling,
+                raw_server(huge + b"{" * 4 * MAX_PROBE_BODY) as big,
+            ):
                 began = time.monotonic()
                 slow = await prober.check(trickling)
                 took = time.monotonic() - began
@@ -315,7 +318,10 @@ def test_an_external_endpoint_tells_only_whether_a_target_server_answers(servers
                     prober.watch(name, {name: url}, disclose=False)
                 began = time.monotonic()
                 while True:
-                    results = {name: prober.watch(name, {name: url}, disclose=False)[name] for name, url in addresses.items()}
+                    results = {
+                        name: prober.watch(name, {name: url}, disclose=False)[name]
+                        for name, url in addresses.items()
+                    }
                     if all(result is not NOT_PROBED for result in results.values()):
                         return results
                     assert time.monotonic() - began < 10

@@ -115,6 +115,7 @@ class ProbeResult:
     error: str | None = None
     reachable: bool = True
     progress: str | None = None  # a loading server's own account of its load (the message of its 503)
+    timed_out: bool = False  # the probe ran out of time (the prober then keeps the endpoint apart)
 
 
 @dataclass(frozen=True)
