@@ -16,6 +16,7 @@ so the Eagle3Target CRD must exist before the operator starts, which the startup
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -143,19 +144,17 @@ async def operate(
 ) -> None:
     """Check the CRD, wait for leadership when electing, then run kopf (until a signal, or a lost lease)."""
     api = await KubeApi.connect(config.api_timeout_seconds)
-    elector = None
     try:
         await check_crd(api)
-        if election is not None:
-            identity = f"{socket.gethostname()}-{secrets.token_hex(3)}"
-            elector = LeaderElector(api, *election, identity)
-            async with standby_liveness(liveness):
-                await elector.acquire()
-            asyncio.create_task(elector.hold(lost=_exit_at_once), name="leader election")  # noqa: RUF006
-        await kopf.operator(**kopf_options)
+        if election is None:
+            await kopf.operator(**kopf_options)
+            return
+        identity = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        elector = LeaderElector(api, *election, identity)
+        async with standby_liveness(liveness):
+            await elector.acquire()
+        await elector.run(functools.partial(kopf.operator, **kopf_options), _exit_at_once)
     finally:
-        if elector is not None:
-            await elector.release()
         await api.close()
 
 

@@ -5,7 +5,13 @@ not changed for a whole lease duration as observed on the candidate's own clock 
 nodes does not matter); every write carries the Lease's resourceVersion, so of two candidates racing only
 one succeeds. The leader renews every retry period and gives up leadership when it has not renewed for
 the renew deadline, which is shorter than the lease: it stops acting before anyone else may start. A
-leader that stops cleanly clears the holder, so the standby takes over at its next retry.
+leader that stops cleanly stops renewing, then clears the holder, so the standby takes over at its next
+retry.
+
+`run(work, on_stopped_leading)` is client-go's `RunOrDie`: the work runs only while the Lease is renewed,
+and any end of renewing, a lost Lease or any exception at all in the renew loop, calls
+`on_stopped_leading`, which must stop the acting (the operator exits at once and its pod restarts as a
+standby). A renew loop that died while the work went on would leave two replicas acting.
 """
 
 import asyncio
@@ -60,19 +66,44 @@ class LeaderElector:
         self.leading = True
         logger.info("leader election: %s leads (Lease %s/%s)", self.identity, self.namespace, self.name)
 
-    async def hold(self, lost: Callable[[], Awaitable[None] | None]) -> None:
-        """Renew the Lease until it cannot be renewed within the renew deadline, then call `lost`."""
+    async def run(self, work: Callable[[], Awaitable[None]], on_stopped_leading: Callable[[], None]) -> None:
+        """Wait for the Lease (unless `acquire` already won it), then run `work` while renewing it. If
+        renewing ends for any reason but this method's own stop, `on_stopped_leading()` is called at once (it
+        must stop the work, e.g. exit the process). When `work` returns or raises, renewing is cancelled
+        first, then the Lease released."""
+        if not self.leading:
+            await self.acquire()
+        renewing = asyncio.create_task(self._renew(), name="leader election")
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if task.cancelled():
+                return  # stopped by this method: the work ended first
+            self.leading = False
+            error = task.exception()
+            if error is not None:
+                logger.error("leader election: renewing failed, %s stops leading: %s: %s",
+                             self.identity, type(error).__name__, error)  # fmt: skip
+            on_stopped_leading()
+
+        renewing.add_done_callback(ended)
+        try:
+            await work()
+        finally:
+            renewing.cancel()
+            await asyncio.wait([renewing])  # its end, however it came, was handled by `ended`
+            await self.release()
+
+    async def _renew(self) -> None:
+        """Renew every retry period; return once the Lease has not been renewed for the renew deadline
+        (counted from the start of the last attempt that renewed it)."""
         renewed = time.monotonic()
         while True:
             await asyncio.sleep(self._retry)
+            started = time.monotonic()
             if await self._try():
-                renewed = time.monotonic()
+                renewed = started
             elif time.monotonic() - renewed > self._renew_deadline:
-                self.leading = False
                 logger.error("leader election: %s lost Lease %s/%s", self.identity, self.namespace, self.name)
-                result = lost()
-                if result is not None:
-                    await result
                 return
 
     async def release(self) -> None:
@@ -97,12 +128,13 @@ class LeaderElector:
             async with asyncio.timeout(self._retry * 2):
                 return await self._take_or_renew()
         except (KubeError, TimeoutError) as error:
-            logger.warning("leader election: %s", error or "the API server did not answer in time")
+            logger.warning("leader election: %s", str(error) or "the API server did not answer in time")
             return False
 
     async def _take_or_renew(self) -> bool:
         now = micro_time(datetime.now(UTC))
         lease = await self._api.get_lease(self.namespace, self.name)
+        created = lease is None
         if lease is None:
             lease = {"apiVersion": LEASES, "kind": "Lease", "metadata": {"name": self.name}, "spec": {}}
             lease["metadata"]["namespace"] = self.namespace
@@ -122,7 +154,8 @@ class LeaderElector:
             "leaseDurationSeconds": self._lease_seconds,
             "acquireTime": spec.get("acquireTime") if ours else now,
             "renewTime": now,
-            "leaseTransitions": (spec.get("leaseTransitions") or 0) + (0 if ours or not holder else 1),
+            # Every new holder counts, after a clean release too (client-go); a new Lease starts at 0.
+            "leaseTransitions": (spec.get("leaseTransitions") or 0) + (0 if ours or created else 1),
         }
         try:
             await self._api.write_lease(lease)

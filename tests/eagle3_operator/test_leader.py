@@ -1,0 +1,123 @@
+"""Leader election on the real API server's Leases, in the shape of client-go's RunOrDie: the work runs only
+while the Lease is renewed, any end of renewing (an arbitrary exception included) stops it before another
+replica can lead, and a clean stop stops renewing, then releases, so the standby leads at its next retry.
+
+Electors run in this process with short periods (lease 3 s, renew deadline 2 s, retry 0.3 s) and their own
+API connections to the test control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from eagle3_operator.kube import KubeApi
+from eagle3_operator.leader import LeaderElector
+
+from support.cluster.access import Cluster
+
+LEASE, DEADLINE, RETRY = 3, 2.0, 0.3
+
+
+@asynccontextmanager
+async def connection(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeApi]:
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    api = await KubeApi.connect(10)
+    try:
+        yield api
+    finally:
+        await api.close()
+
+
+def elector(api: KubeApi, namespace: str, identity: str) -> LeaderElector:
+    return LeaderElector(
+        api, namespace, "e3", identity, lease_seconds=LEASE, renew_deadline=DEADLINE, retry=RETRY
+    )
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+def test_any_exception_in_renewing_stops_the_work_before_another_replica_leads(
+    cluster, namespace, monkeypatch
+):
+    async def scenario() -> tuple[float, float, str]:
+        async with connection(cluster, monkeypatch) as api_a, connection(cluster, monkeypatch) as api_b:
+            a, b = elector(api_a, namespace, "a"), elector(api_b, namespace, "b")
+            stopped: list[float] = []
+            running = asyncio.create_task(
+                a.run(forever, lambda: (stopped.append(time.monotonic()), running.cancel()))
+            )
+            while not a.leading:
+                await asyncio.sleep(0.05)
+
+            async def not_json(namespace: str, name: str) -> dict:
+                raise ValueError("Expecting value: line 1 column 1 (char 0)")  # a 2xx that is not JSON
+
+            api_a.get_lease = not_json  # type: ignore[method-assign]
+            await b.acquire()
+            led = time.monotonic()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            lease = await api_b.get_lease(namespace, "e3")
+            assert lease is not None
+            return stopped[0], led, lease["spec"]["holderIdentity"]
+
+    stopped, led, holder = asyncio.run(scenario())
+    assert stopped < led and holder == "b"
+
+
+def test_a_clean_stop_releases_and_the_standby_leads_at_its_next_retry(cluster, namespace, monkeypatch):
+    async def scenario() -> tuple[float, dict, dict]:
+        async with connection(cluster, monkeypatch) as api_a, connection(cluster, monkeypatch) as api_b:
+            a, b = elector(api_a, namespace, "a"), elector(api_b, namespace, "b")
+            leading = asyncio.Event()
+
+            async def work() -> None:
+                leading.set()
+                await asyncio.sleep(4 * RETRY)  # a few renewals, then the work ends (a signal, say)
+
+            def never() -> None:
+                raise AssertionError("renewing ended while the work ran")
+
+            running = asyncio.create_task(a.run(work, never))
+            await leading.wait()
+            first = await api_a.get_lease(namespace, "e3")
+            standby = asyncio.create_task(b.acquire())
+            await running
+            released = time.monotonic()
+            await standby
+            took = time.monotonic() - released
+            await asyncio.sleep(3 * RETRY)  # a's renewing was stopped: it does not take the Lease back
+            last = await api_b.get_lease(namespace, "e3")
+            assert first is not None and last is not None
+            return took, first["spec"], last["spec"]
+
+    took, first, last = asyncio.run(scenario())
+    assert took < RETRY + 1.0 < LEASE  # at the standby's next retry, not after the lease ran out
+    assert first["holderIdentity"] == "a" and first["leaseTransitions"] == 0  # a new Lease
+    assert last["holderIdentity"] == "b" and last["leaseTransitions"] == 1  # a new holder after a release
+    assert last["renewTime"] >= last["acquireTime"]
+
+
+def test_a_timed_out_attempt_says_so(cluster, namespace, monkeypatch, caplog):
+    async def scenario() -> bool:
+        async with connection(cluster, monkeypatch) as api:
+            candidate = elector(api, namespace, "slow")
+
+            async def hang(namespace: str, name: str) -> dict:
+                await asyncio.sleep(60)
+                return {}
+
+            api.get_lease = hang  # type: ignore[method-assign]
+            return await candidate._try()
+
+    with caplog.at_level(logging.WARNING, logger="eagle3_operator.leader"):
+        assert asyncio.run(scenario()) is False
+    assert "leader election: the API server did not answer in time" in caplog.text
