@@ -23,7 +23,7 @@ from eagle3_operator.child_applier import ChildApplier, ChildWrites
 from eagle3_operator.constants import HYDRATION_PROGRESS_PORT, LABEL_INSTANCE, POD_MONITOR_API_VERSION
 from eagle3_operator.indexes import ChildState, TargetKey, TargetSnapshot, only
 from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef
-from eagle3_operator.probe import Prober
+from eagle3_operator.probe import PROBE_DEADLINE_S, Prober
 from eagle3_operator.render.children import build_children, rendered_digest
 from eagle3_operator.render.hydration import hydration_job_name
 from eagle3_operator.render.model_source import hf_revision
@@ -52,6 +52,9 @@ MAX_CONCURRENT_RECONCILES = 32
 RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # How often a target that wants a PodMonitor looks for prometheus-operator's API while it is not served.
 MONITOR_RECHECK_SECONDS = 15.0
+# The longest the stored status stands for endpoints not probed yet: a first probe ends within its deadline
+# once it has a slot.
+FIRST_VERDICT_WAIT_SECONDS = 2 * PROBE_DEADLINE_S
 
 
 @dataclass
@@ -71,14 +74,25 @@ class _Memory:
     monitor_recheck: asyncio.TimerHandle | None = None  # the pass asked for to see if PodMonitors exist yet
     pin: ImagePin = field(default_factory=ImagePin)  # the server image of the last rendering
     wakeup: asyncio.TimerHandle | None = None  # the pass asked for at the next startup deadline
+    # Since when (monotonic) the stored status has stood for endpoints not probed yet, and the pass asked
+    # for when that wait is over.
+    holding_since: float | None = None
+    hold_ends: asyncio.TimerHandle | None = None
 
     def cancel_wakeup(self) -> None:
         if self.wakeup is not None:
             self.wakeup.cancel()
             self.wakeup = None
 
+    def stop_holding(self) -> None:
+        self.holding_since = None
+        if self.hold_ends is not None:
+            self.hold_ends.cancel()
+            self.hold_ends = None
+
     def cancel_timers(self) -> None:
         self.cancel_wakeup()
+        self.stop_holding()
         if self.monitor_recheck is not None:
             self.monitor_recheck.cancel()
             self.monitor_recheck = None
@@ -191,6 +205,8 @@ class Reconciler:
             applied, refused = await self._sync_children(key, snapshot, spec, memory)
             observation = await self._observe(key, snapshot, spec, memory, applied, refused)
         self._wake_at_startup_deadline(key, memory, observation)
+        if self._holds_stored_status(key, snapshot, memory, observation):
+            return "ok"
         lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
         if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
             memory.superseded.clear()
@@ -223,6 +239,28 @@ class Reconciler:
         if observation.spec is None:
             return "invalid_spec"
         return "ok" if observation.apply_failure is None else "apply_refused"
+
+    def _holds_stored_status(
+        self, key: TargetKey, snapshot: TargetSnapshot, memory: _Memory, observation: Observation
+    ) -> bool:
+        """Whether this pass leaves the stored status as it is: some endpoint has no probe verdict yet and
+        the status already says something (an operator restart, a takeover, a new pod). Not probed is
+        unknown, not failed: writing now would flip a serving target to not Ready, drop its model and post
+        events, all taken back a probe later. The prober asks for a pass at each first verdict; the wait
+        is bounded by FIRST_VERDICT_WAIT_SECONDS, after which the pass writes what it knows."""
+        if not observation.awaiting_verdicts or not (snapshot.status or {}).get("conditions"):
+            memory.stop_holding()
+            return False
+        now = time.monotonic()
+        if memory.holding_since is None:
+            memory.holding_since = now
+            memory.hold_ends = asyncio.get_running_loop().call_later(
+                FIRST_VERDICT_WAIT_SECONDS, self.request, key
+            )
+        if now - memory.holding_since >= FIRST_VERDICT_WAIT_SECONDS:
+            memory.stop_holding()
+            return False
+        return True
 
     def _retry_later(
         self, key: TargetKey, memory: _Memory, when_due: Callable[[], None] | None = None

@@ -1,5 +1,6 @@
 """A managed target's life against the real control plane: Ready, idle, scaled, rolled out, suspended,
-an operator killed mid-rollout, deleted without waiting; and an external endpoint probed and published.
+an operator killed mid-rollout, deleted without waiting, a restart its users never see; and an external
+endpoint probed and published.
 
 One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
@@ -195,6 +196,41 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
         "the children garbage-collected",
         timeout=120,
     )
+
+
+def test_an_operator_restart_changes_nothing_a_user_sees(
+    targets: Targets, pod_serving: PodServing, operator: OperatorProcess
+):
+    """Killed and started again, the operator finds every endpoint not probed yet: unknown, not failed. The
+    stored status stands (sampled every 300 ms: Ready and Available never False, the model and endpoints
+    kept) and, once the probes answer, nothing is written and no event posted."""
+    port = free_port()
+    pod_serving.ports.add(port)
+    targets.create(target_manifest("steady", port, replicas=2))
+    eventually(lambda: targets.ready_status("steady", replicas=2), "Ready before the restart")
+    eventually(lambda: operator.metric_total("eagle3_operator_status_writes_total") >= 1, "a status write")
+    time.sleep(2)  # let the last writes and events of the start-up settle
+    before = targets.get("steady")
+    events = [(e.reason, e.count) for e in targets.events("steady")]
+
+    operator.kill()
+    operator.start()
+    samples: list[dict[str, Any]] = []
+    settled = time.monotonic() + 15  # the first verdicts, and a few probe periods after them
+    while time.monotonic() < settled:
+        samples.append(targets.get("steady")["status"])
+        time.sleep(0.3)
+
+    assert samples
+    for status in samples:
+        assert condition(status, "Ready")["status"] == "True", status
+        assert condition(status, "Available")["status"] == "True", status
+        assert status.get("model") == before["status"]["model"]
+    after = targets.get("steady")
+    assert after["status"] == before["status"]  # lastTransitionTime included
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]  # no write at all
+    assert [(e.reason, e.count) for e in targets.events("steady")] == events
+    assert operator.metric_total("eagle3_operator_status_writes_total") == 0  # this process wrote nothing
 
 
 def test_external_endpoint_is_probed_and_published(targets: Targets, servers: ServerFarm):

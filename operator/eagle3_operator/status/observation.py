@@ -134,6 +134,12 @@ class Observation:
     identity: tuple[str, ...] = ()  # render.server_command.model_identity of the current spec's command
     apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
 
+    @property
+    def awaiting_verdicts(self) -> bool:
+        """Whether an endpoint has had no probe verdict yet (the operator just started, or a pod just got
+        its IP): what it serves is unknown, not failed."""
+        return any(probe.error == NOT_PROBED_YET for probe in self.probes.values())
+
 
 def timestamp(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
