@@ -79,6 +79,23 @@ def assert_same_tensors(got: dict[str, Tensor], want: dict[str, Tensor]) -> None
         assert torch.equal(got[name], tensor), f"{name} differs"
 
 
+def assert_close_at_real_positions(
+    got: dict[str, Tensor], want: dict[str, Tensor], mask: Tensor, atol: float, fmt: str
+) -> None:
+    """Another engine's answer: the same tensors, dtypes and values within `atol` where `mask` is set (the
+    HF engine computes padding positions too, the vLLM engine leaves them zero)."""
+    valid = mask.bool()
+    assert sorted(got) == sorted(want), fmt
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and tensor.shape[:2] == valid.shape, f"{fmt}.{name}"
+        label = f"{fmt}.{name}"
+
+        def labelled(message: str, label: str = label) -> str:
+            return f"{label}: {message}"
+
+        torch.testing.assert_close(got[name][valid], tensor[valid], atol=atol, rtol=atol, msg=labelled)
+
+
 def assert_error(response: httpx.Response, status: int, type_: str | None = None) -> dict:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")

@@ -42,7 +42,7 @@ PROBE_TIMEOUT = httpx.Timeout(3.0, connect=1.0)
 PROBE_DEADLINE_S = 5.0
 MAX_CONCURRENT_PROBES = 64
 # Endpoints whose last probe got no answer share this many slots, apart from the others.
-MAX_CONCURRENT_SUSPECT_PROBES = 8
+MAX_CONCURRENT_STALLED_PROBES = 8
 # The most a probe reads of a body: /readyz's 503 and /v1/info are a few hundred bytes each.
 MAX_PROBE_BODY = 64 * 1024
 NO_TARGET_SERVER = "no target server answers there"
@@ -62,7 +62,7 @@ class _Endpoint:
         True  # publish what answered; an external endpoint publishes only "a target server or not"
     )
     published: ProbeResult = NOT_PROBED
-    stalled: bool = False  # its last probe ran out of time: the next one waits for a suspect slot
+    stalled: bool = False  # its last probe ran out of time: the next one waits for a stalled slot
     failures: int = 0  # consecutive failed probes
     info: ServedModel | None = None  # /v1/info of the current serving streak
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -80,13 +80,13 @@ class Prober(Generic[K]):
         timeout: httpx.Timeout = PROBE_TIMEOUT,
         deadline: float = PROBE_DEADLINE_S,
         limit: int = MAX_CONCURRENT_PROBES,
-        suspect_limit: int = MAX_CONCURRENT_SUSPECT_PROBES,
+        stalled_limit: int = MAX_CONCURRENT_STALLED_PROBES,
     ) -> None:
         # trust_env=False: probes go to pod IPs directly, never through a proxy from the environment.
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
         self._deadline = deadline
         self._slots = asyncio.Semaphore(limit)
-        self._suspect_slots = asyncio.Semaphore(suspect_limit)
+        self._stalled_slots = asyncio.Semaphore(stalled_limit)
         self._on_change = on_change
         self._interval = interval
         self._threshold = failure_threshold
@@ -125,11 +125,11 @@ class Prober(Generic[K]):
         await self._client.aclose()
 
     async def check(
-        self, base_url: str, info: ServedModel | None = None, *, suspect: bool = False
+        self, base_url: str, info: ServedModel | None = None, *, stalled: bool = False
     ) -> ProbeResult:
         """One probe, never raising: /readyz, then /v1/info unless `info` is already known for this server.
-        A `suspect` endpoint (its last probe got no answer) waits for a slot of its own pool."""
-        async with self._suspect_slots if suspect else self._slots:
+        A `stalled` endpoint (its last probe ran out of time) waits for a slot of its own pool."""
+        async with self._stalled_slots if stalled else self._slots:
             try:
                 status, body = await self._get(f"{base_url}/readyz")
                 if status != 200:
@@ -172,7 +172,7 @@ class Prober(Generic[K]):
     async def _run(self, key: K, endpoint: _Endpoint) -> None:
         while True:
             try:
-                result = await self.check(endpoint.url, endpoint.info, suspect=endpoint.stalled)
+                result = await self.check(endpoint.url, endpoint.info, stalled=endpoint.stalled)
             except Exception as error:  # a bug must not end this endpoint's probing silently
                 logger.exception("probe of %s failed", endpoint.url)
                 result = ProbeResult(ready=False, error=f"probe failed: {_name(error)}")

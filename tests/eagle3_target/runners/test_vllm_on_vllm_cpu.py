@@ -21,7 +21,7 @@ from eagle3_target.runners.vllm import VLLMRunner
 from eagle3_target.runners.vllm_cpu import cpu_kv_cache_bytes
 from transformers import AutoConfig
 
-from support.supervision import draft_mapping, reference
+from support.supervision import assert_close_at_real_positions, draft_mapping, reference
 from support.vllm_runner import CPU_ENGINE_ARGS, open_runner
 
 ATOL = 1e-4
@@ -76,15 +76,7 @@ def test_every_format_matches_the_hf_engine(engines, arch, tiny_llama_dir, tiny_
         got = reference(runner, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
         want = reference(hf, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
         assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
-        for name, tensor in want.items():  # at real positions: the HF engine computes padding too
-            assert tensor.shape[:2] == valid.shape, f"{fmt}.{name}"
-            torch.testing.assert_close(
-                got[name][valid],
-                tensor[valid],
-                atol=ATOL,
-                rtol=ATOL,
-                msg=lambda m, at=f"{fmt}.{name}": f"{at}: {m}",
-            )
+        assert_close_at_real_positions(got, want, mask, ATOL, fmt)
     # The vLLM runner's padding is zeros, the pre-norm state is not the final one (random norm weights),
     # and nothing stays in the capture directory.
     prenorm, aux = runner.forward_hidden(input_ids, mask, prenorm=True)

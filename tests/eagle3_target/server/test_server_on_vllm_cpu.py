@@ -28,7 +28,13 @@ from support.nemo_client import (
     set_mapping,
 )
 from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, launch
-from support.supervision import draft_mapping, put_mapping, supervise, token_batch
+from support.supervision import (
+    assert_close_at_real_positions,
+    draft_mapping,
+    put_mapping,
+    supervise,
+    token_batch,
+)
 from support.vllm_runner import CPU_ENGINE_ARGS
 
 ATOL = 1e-4
@@ -88,16 +94,7 @@ def test_every_format_equals_the_hf_engine(vllm_server, server):
             got, _ = supervise(client, vllm_server.url, {"input_ids": ids, "attention_mask": mask}, **params)
             want, _ = supervise(client, server.url, {"input_ids": ids, "attention_mask": mask}, **params)
             assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
-            valid = mask.bool()  # at real positions: the HF engine computes padding too
-            for name, tensor in want.items():
-                assert got[name].dtype == tensor.dtype and tensor.shape[:2] == valid.shape, f"{fmt}.{name}"
-                torch.testing.assert_close(
-                    got[name][valid],
-                    tensor[valid],
-                    atol=ATOL,
-                    rtol=ATOL,
-                    msg=lambda m, at=f"{fmt}.{name}": f"{at}: {m}",
-                )
+            assert_close_at_real_positions(got, want, mask, ATOL, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["hidden", "logits", "probs"])
