@@ -2,28 +2,32 @@
 
     .venv/bin/python -m bench.operator_scale [--targets 200] [--mode external|pods] [--idle-seconds 60]
     .venv/bin/python -m bench.operator_scale --targets 500 --mode external --hung 50   # the day-2 figure
+    .venv/bin/python -m bench.operator_scale --targets 1000 --mode external --hung 50 --trickle 50 \
+        --restart-mid-idle                                                          # the restart figure
 
 Runs against $E3T_KUBECONFIG, else the plane `python -m support.cluster up` left running, else a private one.
 Mode `pods` (default): every target runs one kwok pod (engine hf, no GPU) and one real server app answers
 at every pod's IP, the whole create → Deployment → pod → probe → Ready loop. Mode `external`: every target
 points at one real target server (spec.endpoint.url), so the figures are the operator's own cost; with
---hung H, H of the targets point at a server that accepts connections and never answers (external mode),
-and the figures are about the others. Prints one JSON object:
+--hung H, H of the targets point at a server that accepts connections and never answers, with --trickle T,
+T more at one that answers a byte a second (external mode), and the figures are about the others. With
+--restart-mid-idle the operator is killed (SIGKILL) and started again halfway through the idle period.
+Prints one JSON object:
 - all_ready_seconds: first create → last healthy target Ready (Ready=True for its current generation);
 - create_to_ready_p50/p95_seconds: per target;
 - operator_peak_rss_mib: the operator process's VmHWM;
 - api_requests_per_target: the reconciler's own API requests (kopf's watch streams not included);
 - all_probed_seconds: first create → the last target (hung ones included) has its first probe verdict in its
   status (a hung server's verdict waits for the probe's timeout, so it can come after all_ready_seconds);
-- idle_*: over --idle-seconds from then on: status writes and child applies the operator counted, and
-  MODIFIED watch events on the targets seen by this script (goal: all zero, hung targets included: they are
-  probed all along, and their status does not change).
+- idle_*: over --idle-seconds from then on: status writes and child applies the operator counted (both
+  processes' with a restart), and MODIFIED watch events on the targets seen by this script (goal: all zero,
+  hung and trickling targets included: they are probed all along, and their status does not change);
+- restarted_status_writes: what the restarted operator wrote (goal: 0; null without a restart).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import secrets
 import shutil
@@ -45,6 +49,7 @@ from support.cluster import plane
 from support.cluster.access import Cluster
 from support.cluster.waiting import free_port
 from support.crd import install_crd
+from support.hostile_endpoints import TRICKLE, HostileEndpoint
 from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
 
@@ -65,35 +70,6 @@ def manifest(name: str, mode: str, url: str, port: int) -> dict:
         "metadata": {"name": name},
         "spec": spec,
     }
-
-
-class HungServer:
-    """Accepts connections and reads requests, never answers: a server wedged in a long forward pass."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._writers: list[asyncio.StreamWriter] = []
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        started = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._accept, "127.0.0.1", self.port), self._loop
-        )
-        self._server = started.result(timeout=10)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
-        while await reader.read(65536):
-            pass
-
-    def close(self) -> None:
-        async def shut() -> None:
-            for writer in self._writers:
-                writer.close()
-            self._server.close()
-
-        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def ready_condition(body: dict) -> dict[str, Any]:
@@ -173,7 +149,15 @@ def connect(stack: list) -> Cluster:
     return own.cluster()
 
 
-def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int = 0) -> dict:
+def run(
+    targets: int,
+    mode: str,
+    idle_seconds: float,
+    timeout: float,
+    hung: int = 0,
+    trickle: int = 0,
+    restart_mid_idle: bool = False,
+) -> dict:
     cleanup: list = []
     try:
         cluster = connect(cleanup)
@@ -189,10 +173,10 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
         cleanup.append(farm.close)
         url = f"http://{farm.primary[0]}:{farm.primary[1]}"
         port = free_port()
-        if hung and mode != "external":
-            raise SystemExit("--hung needs --mode external (pods mode serves every pod IP)")
-        wedged = HungServer()
-        cleanup.append(wedged.close)
+        if (hung or trickle) and mode != "external":
+            raise SystemExit("--hung and --trickle need --mode external (pods mode serves every pod IP)")
+        wedged, trickling = HostileEndpoint(), HostileEndpoint(TRICKLE, pause=1.0)
+        cleanup += [wedged.close, trickling.close]
         if mode == "pods":
             serving = PodServing(core, namespace, farm)
             serving.ports.add(port)
@@ -206,13 +190,14 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
 
         custom = kubernetes.client.CustomObjectsApi(cluster.api_client)
         names = [f"t{i:04d}" for i in range(targets)]
-        stuck = set(names[:hung])
-        healthy = [name for name in names if name not in stuck]
+        hostile = {name: wedged.url for name in names[:hung]}
+        hostile |= {name: trickling.url for name in names[hung : hung + trickle]}
+        healthy = [name for name in names if name not in hostile]
         created_at: dict[str, float] = {}
 
         def create(name: str) -> None:
             created_at[name] = time.monotonic()
-            target_url = f"http://127.0.0.1:{wedged.port}/{name}" if name in stuck else url
+            target_url = f"{hostile[name]}/{name}" if name in hostile else url
             custom.create_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, manifest(name, mode, target_url, port)
             )
@@ -232,26 +217,45 @@ def run(targets: int, mode: str, idle_seconds: float, timeout: float, hung: int 
         writes_before = operator.metric("eagle3_operator_status_writes_total")
         applies_before = operator.metric_total("eagle3_operator_child_applies_total")
         modified_before = watch.modified
-        time.sleep(idle_seconds)
+        # What the idle period adds to the counters; a restarted process counts from 0 again.
+        idle_writes = -writes_before
+        idle_applies = -applies_before
+        peak_rss = operator.peak_rss_bytes()
+        restarted_writes = None
+        if restart_mid_idle:
+            time.sleep(idle_seconds / 2)
+            idle_writes += operator.metric("eagle3_operator_status_writes_total")
+            idle_applies += operator.metric_total("eagle3_operator_child_applies_total")
+            peak_rss = operator.peak_rss_bytes()
+            operator.kill()
+            operator.start()
+            time.sleep(idle_seconds / 2)
+            restarted_writes = operator.metric("eagle3_operator_status_writes_total")
+        else:
+            time.sleep(idle_seconds)
+        idle_writes += operator.metric("eagle3_operator_status_writes_total")
+        idle_applies += operator.metric_total("eagle3_operator_child_applies_total")
+        peak_rss = max(peak_rss, operator.peak_rss_bytes())
         quantiles = statistics.quantiles(ready, n=20) if len(ready) >= 2 else [float("nan")] * 19
         return {
             "targets": targets,
             "mode": mode,
             "hung": hung,
+            "trickle": trickle,
             "ready": len(ready),
-            "hung_ready": sum(1 for n in stuck if n in watch.ready_at),  # goal: 0
+            "hostile_ready": sum(1 for n in hostile if n in watch.ready_at),  # goal: 0
             "all_ready_seconds": round(all_ready, 2) if all_ready is not None else None,
             "all_probed_seconds": round(all_probed, 2) if all_probed is not None else None,
             "create_to_ready_p50_seconds": round(statistics.median(ready), 3) if ready else None,
             "create_to_ready_p95_seconds": round(quantiles[18], 3),
-            "operator_peak_rss_mib": round(operator.peak_rss_bytes() / 2**20, 1),
+            "operator_peak_rss_mib": round(peak_rss / 2**20, 1),
             "api_requests_per_target": round(api_requests / targets, 2),
             "status_writes_per_target": round(writes_before / targets, 2),
             "idle_seconds": idle_seconds,
-            "idle_status_writes": operator.metric("eagle3_operator_status_writes_total") - writes_before,
-            "idle_child_applies": operator.metric_total("eagle3_operator_child_applies_total")
-            - applies_before,
+            "idle_status_writes": idle_writes,
+            "idle_child_applies": idle_applies,
             "idle_target_modifications_seen": watch.modified - modified_before,
+            "restarted_status_writes": restarted_writes,
         }
     finally:
         for step in reversed(cleanup):
@@ -268,8 +272,22 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
     parser.add_argument("--hung", type=int, default=0, help="targets whose server never answers (external)")
+    parser.add_argument(
+        "--trickle", type=int, default=0, help="targets whose server answers a byte a second (external)"
+    )
+    parser.add_argument(
+        "--restart-mid-idle", action="store_true", help="kill and restart the operator mid idle period"
+    )
     args = parser.parse_args()
-    figures = run(args.targets, args.mode, args.idle_seconds, args.timeout, args.hung)
+    figures = run(
+        args.targets,
+        args.mode,
+        args.idle_seconds,
+        args.timeout,
+        args.hung,
+        args.trickle,
+        args.restart_mid_idle,
+    )
     print(json.dumps(figures, indent=2))
 
 

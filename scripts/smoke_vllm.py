@@ -25,103 +25,52 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import torch
 import typer
+from eagle3_target.acceptance import (
+    ChecksOption,
+    DeviceOption,
+    DtypeOption,
+    EngineArgOption,
+    MinArgmaxOption,
+    MinCosineOption,
+    ModelOption,
+    Reference,
+    RepeatsOption,
+    SeedOption,
+    SeqLenOption,
+    SuiteOption,
+    batch_memory,
+    default_device,
+    parse_engine_args,
+    run_checks,
+    select_checks,
+    timed,
+)
 from eagle3_target.runners.base import text_config
-from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import DEFAULT_HIDDEN_STATES_DIR, VLLMRunner
 from eagle3_target.runners.vllm_args import RUNNER_OPTIONS, vllm_dtype_name, vllm_engine_kwargs
 from eagle3_target.runners.vllm_capture import compare_logprobs
 from eagle3_target.runners.vllm_cpu import with_cpu_defaults
-from torch import Tensor
 from transformers import AutoConfig
 
 app = typer.Typer(add_completion=False)
 
 
-def ragged_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Random token ids, right-padded rows from full length down to a quarter of it."""
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen)
-    lengths = torch.linspace(seq_len, max(1, seq_len // 4), batch_size).round().long()
-    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
-    return input_ids, mask
+@dataclass(kw_only=True)
+class Suite(Reference):
+    """The shared reference plus vLLM's options."""
 
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(forward: Callable[[], Any], repeats: int) -> tuple[Any, float]:
-    """Result of one warm-up call and the mean wall time of `repeats` further calls."""
-    result = forward()
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        forward()
-    synchronize()
-    return result, (time.perf_counter() - start) / max(1, repeats)
-
-
-def aux_cosines(aux: Tensor, reference: Tensor, valid: Tensor, hidden_size: int) -> list[float]:
-    """Mean cosine similarity per aux layer over the real (unpadded) positions."""
-    return [
-        torch.nn.functional.cosine_similarity(
-            aux[..., i * hidden_size : (i + 1) * hidden_size][valid].float(),
-            reference[..., i * hidden_size : (i + 1) * hidden_size][valid].float(),
-            dim=-1,
-        )
-        .mean()
-        .item()
-        for i in range(aux.shape[-1] // hidden_size)
-    ]
-
-
-def parse_engine_args(pairs: list[str]) -> dict[str, str]:
-    parsed = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"--engine-arg expects KEY=VALUE, got {pair!r}")
-        parsed[key] = value
-    return parsed
-
-
-@dataclass
-class Suite:
-    """What every check needs: the model, the options, and the HF reference (loaded once, on demand)."""
-
-    model: Path
-    dtype: str
-    device: str
     engine_args: dict[str, str]
     hidden_states_dir: Path
-    seq_len: int
     long_len: int
     max_batch_tokens: int
     deployed_utilization: float
-    repeats: int
-    seed: int
-    min_argmax: float
-    min_cosine: float
     max_logit_diff: float
-    _hf: HFRunner | None = field(default=None, repr=False)
-
-    def hf(self) -> HFRunner:
-        if self._hf is None:
-            self._hf = HFRunner.from_pretrained(self.model, dtype=self.dtype, device=self.device)
-        return self._hf
-
-    def drop_hf(self) -> None:
-        """Free the reference's GPU memory before a check that needs the whole device."""
-        if self._hf is not None:
-            self._hf.close()
-            self._hf = None
 
     def runner_args(self, extra: dict[str, object]) -> dict[str, Any]:
         """The suite's engine arguments plus a check's own, as the strings the CLI would pass."""
@@ -161,34 +110,6 @@ class Suite:
         finally:
             plain.llm_engine.engine_core.shutdown()
 
-    def compare(self, runner: VLLMRunner, input_ids: Tensor, mask: Tensor) -> dict[str, Any]:
-        """The vLLM runner's supervision against the HF engine's on one batch (the C1-C5 thresholds)."""
-        hf = self.hf()
-        hf.set_aux_layers(runner.aux_layer_ids)
-        v_logits, v_aux = runner.forward_eagle3(input_ids, mask)
-        h_logits, h_aux = hf.forward_eagle3(input_ids.to(self.device), mask.to(self.device))
-        valid = mask.bool().to(self.device)
-        argmax = (v_logits.argmax(-1).to(self.device) == h_logits.argmax(-1))[valid].float().mean().item()
-        cosines = aux_cosines(v_aux.to(self.device), h_aux, valid, runner.model.config.hidden_size)
-        return {
-            "pass": argmax >= self.min_argmax and min(cosines) >= self.min_cosine,
-            "aux_layer_ids": runner.aux_layer_ids,
-            "tokens": int(mask.sum()),
-            "argmax_agreement": round(argmax, 4),
-            "aux_cosine_per_layer": [round(c, 5) for c in cosines],
-        }
-
-    def batch(self, vocab_size: int, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-        return ragged_batch(vocab_size, batch_size, seq_len, self.seed)
-
-
-def vocab(suite: Suite) -> int:
-    return int(suite.hf().model.config.vocab_size)
-
-
-def num_layers(suite: Suite) -> int:
-    return int(suite.hf().model.config.num_hidden_layers)
-
 
 # ---- the checks (docs/vllm.md, "Acceptance suite") --------------------------------------------------------
 
@@ -198,24 +119,24 @@ def check_chunked_prefill(suite: Suite) -> dict[str, Any]:
     chunk = max(16, suite.seq_len // 8)
     args: dict[str, Any] = {"max_num_batched_tokens": chunk, "max_model_len": 2 * suite.seq_len}
     with suite.vllm(**args) as runner:
-        return suite.compare(runner, *suite.batch(vocab(suite), 4, suite.seq_len)) | {"engine_args": args}
+        return suite.compare(runner, *suite.batch(4, suite.seq_len)) | {"engine_args": args}
 
 
 def check_many_requests(suite: Suite) -> dict[str, Any]:
     """C2: many requests per step and a batch split over several steps keep each row's own capture."""
     args: dict[str, Any] = {"max_num_seqs": 8}
     with suite.vllm(**args) as runner:
-        input_ids, mask = suite.batch(vocab(suite), 64, max(8, suite.seq_len // 8))
+        input_ids, mask = suite.batch(64, max(8, suite.seq_len // 8))
         return suite.compare(runner, input_ids, mask) | {"engine_args": args}
 
 
 def check_aux_order(suite: Suite) -> dict[str, Any]:
     """C3: aux ids that are not ascending come back in the requested order (vLLM's model classes write
     them ascending; `model_impl=transformers` cannot start with the capture, so the runner refuses it)."""
-    layers = num_layers(suite)
+    layers = suite.num_layers()
     aux = [2 * layers // 3, 1, layers // 3 + 1]
     with suite.vllm(aux) as runner:
-        result = suite.compare(runner, *suite.batch(vocab(suite), 4, max(8, suite.seq_len // 4)))
+        result = suite.compare(runner, *suite.batch(4, max(8, suite.seq_len // 4)))
     return result | {"requested": aux}
 
 
@@ -237,7 +158,7 @@ def check_length_boundary(suite: Suite) -> dict[str, Any]:
     """C5: a row of exactly max_model_len - 1 tokens is captured at every position."""
     row = max(8, suite.seq_len // 4)
     with suite.vllm(max_model_len=row + 1) as runner:
-        input_ids, mask = suite.batch(vocab(suite), 1, row)
+        input_ids, mask = suite.batch(1, row)
         return suite.compare(runner, input_ids, mask) | {"max_model_len": row + 1, "row_tokens": row}
 
 
@@ -246,7 +167,7 @@ def check_logit_values(suite: Suite) -> dict[str, Any]:
     compared at vLLM's top-20 ids of each position from a plain engine's prompt logprobs."""
     from vllm import SamplingParams
 
-    input_ids, _ = suite.batch(vocab(suite), 4, max(8, suite.seq_len // 4))
+    input_ids, _ = suite.batch(4, max(8, suite.seq_len // 4))
     with suite.vllm() as runner:
         rebuilt, _ = runner.forward_eagle3(input_ids)
     with suite.plain_vllm(logprobs_mode="raw_logits") as plain:
@@ -268,42 +189,16 @@ def check_logit_values(suite: Suite) -> dict[str, Any]:
     }
 
 
-def not_on_cuda(suite: Suite) -> dict[str, Any] | None:
-    """The result of a CUDA-only check on another device: not run, and why (never a pass)."""
-    if suite.device.startswith("cuda"):
-        return None
-    return {"pass": None, "reason": f"needs a CUDA GPU; this run is on {suite.device}"}
-
-
 def check_memory_headroom(suite: Suite) -> dict[str, Any]:
     """C7: at the deployed gpu_memory_utilization, the runner's head and [B,S,V] logits for a full batch of
     --max-batch-tokens fit beside vLLM on the same GPU."""
-    skipped = not_on_cuda(suite)
+    skipped = suite.not_on_cuda()
     if skipped is not None:
         return skipped
     suite.drop_hf()
     with suite.vllm(gpu_memory_utilization=suite.deployed_utilization) as runner:
-        row = min(suite.seq_len, runner.max_prompt_len)
-        input_ids = torch.randint(
-            0, runner.model.config.vocab_size, (max(1, suite.max_batch_tokens // row), row)
-        )
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            logits, _ = runner.forward_eagle3(input_ids)
-            del logits
-            error = None
-        except torch.OutOfMemoryError as exc:
-            error = str(exc).splitlines()[0]
-        free, total = torch.cuda.mem_get_info()
-        return {
-            "pass": error is None,
-            "gpu_memory_utilization": suite.deployed_utilization,
-            "batch_tokens": int(input_ids.numel()),
-            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "free_gib_after": round(free / 2**30, 2),
-            "total_gib": round(total / 2**30, 2),
-            "error": error,
-        }
+        used = batch_memory(runner, suite.max_batch_tokens, suite.seq_len, runner.max_prompt_len)
+    return used | {"gpu_memory_utilization": suite.deployed_utilization}
 
 
 def check_long_context(suite: Suite) -> dict[str, Any]:
@@ -322,7 +217,7 @@ def check_long_context(suite: Suite) -> dict[str, Any]:
 def check_cuda_in_parent(suite: Suite) -> dict[str, Any]:
     """C9: the checks before engine start (config refusals, the EAGLE-3 class check) leave CUDA
     uninitialised in the serving process, so vLLM forks its workers instead of spawning them."""
-    skipped = not_on_cuda(suite)
+    skipped = suite.not_on_cuda()
     if skipped is not None:
         return skipped
     code = (
@@ -348,7 +243,7 @@ def check_throughput(suite: Suite) -> dict[str, Any]:
 
     suite.drop_hf()
     gen = torch.Generator().manual_seed(suite.seed)
-    prompts = torch.randint(0, vocab(suite), (16, suite.seq_len), generator=gen).tolist()
+    prompts = torch.randint(0, suite.vocab(), (16, suite.seq_len), generator=gen).tolist()
     tokens = 16 * suite.seq_len
     with suite.vllm() as runner:
         _, extracting = timed(lambda: runner.forward_hidden(torch.tensor(prompts)), suite.repeats)
@@ -387,56 +282,35 @@ CHECKS: dict[str, Callable[[Suite], dict[str, Any]]] = {
 }
 
 
-def run_checks(suite: Suite, names: list[str]) -> bool:
-    """Run the named checks in CHECKS order, one JSON line each; a check that raises fails with its error.
-    True when none failed (a check that cannot run on this device reports null)."""
-    passed = True
-    for name in [n for n in CHECKS if n in names]:
-        started = time.perf_counter()
-        try:
-            result = CHECKS[name](suite)
-        except Exception as exc:  # a failed check is reported, and the others still run
-            result = {"pass": False, "error": f"{type(exc).__name__}: {exc}"}
-        line = {"check": name} | result | {"seconds": round(time.perf_counter() - started, 1)}
-        print(json.dumps(line), flush=True)
-        passed = passed and result["pass"] is not False
-    return passed
-
-
 @app.command()
 def main(
-    model: Annotated[Path, typer.Option(help="local model directory")],
-    suite: Annotated[bool, typer.Option(help="run the acceptance suite instead of one comparison")] = False,
-    checks: Annotated[str, typer.Option(help="comma-separated suite checks (default: all)")] = "",
-    dtype: Annotated[str, typer.Option()] = "bfloat16",
-    device: Annotated[str | None, typer.Option(help="default: cuda if the machine has it, else cpu")] = None,
+    model: ModelOption,
+    suite: SuiteOption = False,
+    checks: ChecksOption = "",
+    dtype: DtypeOption = "bfloat16",
+    device: DeviceOption = None,
     aux_layer_ids: Annotated[list[int] | None, typer.Option(help="3 ids, repeat the flag")] = None,
     batch_size: Annotated[int, typer.Option()] = 8,
-    seq_len: Annotated[int, typer.Option(help="row length (the suite scales its batches from it)")] = 2048,
+    seq_len: SeqLenOption = 2048,
     long_len: Annotated[int, typer.Option(help="C8's row length")] = 32768,
     max_batch_tokens: Annotated[
         int, typer.Option(help="C7's batch, as the server's --max-batch-tokens")
     ] = 16384,
     deployed_utilization: Annotated[float, typer.Option(help="C7's gpu_memory_utilization")] = 0.9,
-    repeats: Annotated[int, typer.Option(help="timed calls per measurement")] = 3,
-    seed: Annotated[int, typer.Option()] = 0,
-    engine_arg: Annotated[list[str] | None, typer.Option(help="vLLM KEY=VALUE, repeatable")] = None,
+    repeats: RepeatsOption = 3,
+    seed: SeedOption = 0,
+    engine_arg: EngineArgOption = None,
     gpu_memory_utilization: Annotated[
         float | None,
         typer.Option(help="vLLM's share of the GPU (default 0.45: HF needs the rest); not on CPU"),
     ] = None,
     hidden_states_dir: Annotated[Path | None, typer.Option(help="default: a fresh directory")] = None,
-    min_argmax: Annotated[float, typer.Option()] = 0.95,
-    min_cosine: Annotated[float, typer.Option()] = 0.99,
+    min_argmax: MinArgmaxOption = 0.95,
+    min_cosine: MinCosineOption = 0.99,
     max_logit_diff: Annotated[float, typer.Option(help="C6: largest |rebuilt - vLLM| raw logit")] = 0.25,
 ) -> None:
-    selected = [n.strip() for n in checks.split(",") if n.strip()] or list(CHECKS)
-    unknown = sorted(set(selected) - set(CHECKS))
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown checks {unknown}; choose from {list(CHECKS)}", param_hint="--checks"
-        )
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    selected = select_checks(checks, CHECKS)
+    device = default_device(device)
     share = gpu_memory_utilization or (0.45 if device.startswith("cuda") else None)
     engine_args = ({} if share is None else {"gpu_memory_utilization": str(share)}) | parse_engine_args(
         engine_arg or []
@@ -462,10 +336,10 @@ def main(
             max_logit_diff=max_logit_diff,
         )
         if suite:
-            passed = run_checks(context, selected)
+            passed = run_checks(CHECKS, context, selected)
         else:
             with context.vllm(aux_layer_ids) as runner:
-                result = context.compare(runner, *context.batch(vocab(context), batch_size, seq_len))
+                result = context.compare(runner, *context.batch(batch_size, seq_len))
             print(
                 json.dumps({"check": "comparison", "model": str(model), "dtype": dtype} | result), flush=True
             )

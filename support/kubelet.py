@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ from support.server_process import serve_command, status_code
 # at most 2 KiB (kubelet's kuberuntime: maxContainerTerminationMessageLogLines and ...LogLength).
 FALLBACK_LOG_LINES = 80
 FALLBACK_LOG_BYTES = 2048
+# Readiness probes and terminations run on a pool, so one hung server or slow exit stalls no other pod.
+BACKGROUND_THREADS = 16
 
 
 @dataclass
@@ -41,6 +46,7 @@ class _Container:
     last_terminated: dict[str, Any] | None = None
     restart_at: float | None = None  # while backing off: when the next start is due
     logs: list[Path] = field(default_factory=list)
+    probe: Future[bool] | None = None  # the readiness probe in flight
 
 
 class Kubelet:
@@ -52,7 +58,13 @@ class Kubelet:
     (exit code, reason Error, the message from the termination log or, under FallbackToLogsOnError, the log
     tail), restartCount and a waiting CrashLoopBackOff until a restart after exponential back-off. The
     kubelet mounts a file at terminationMessagePath; here the server is told where that file is instead
-    (EAGLE3_TARGET_TERMINATION_LOG), and hostPath volumes are the same directories on this machine.
+    (EAGLE3_TARGET_TERMINATION_LOG), hostPath volumes are the same directories on this machine, and a
+    disk-backed emptyDir is a fresh directory per pod (paths in args and env values are translated).
+
+    Like a kubelet, it never waits on one pod: readiness probes (with the pod's own timeoutSeconds) and
+    graceful terminations run on a thread pool, and the loop reads their results in later rounds. Servers
+    are started by the loop's thread and die with it (PR_SET_PDEATHSIG follows the thread that spawned
+    them), so the loop terminates them all, gracefully, before it ends.
     """
 
     def __init__(
@@ -67,25 +79,30 @@ class Kubelet:
         self._free_ips = [
             str(ip) for ip in ipaddress.ip_network(nodes.gpu_node_pod_cidr(nodes.KUBELET_NODE_INDEX)).hosts()
         ][1:]
+        self._pool = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kubelet")
+        self._empty_dirs: list[str] = []  # removed by close()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kubelet", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
-        for container in self.containers.values():
-            if container.process is not None:
-                terminate(container.process)
+        self._thread.join(timeout=60)
+        for empty_dir in self._empty_dirs:
+            shutil.rmtree(empty_dir, ignore_errors=True)
         if self.errors:
             raise AssertionError("the test kubelet failed") from self.errors[0]
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.25):
-            try:
-                self._round()
-            except Exception as error:  # surfaced by close(); a kubelet keeps going
-                self.errors.append(error)
+        try:
+            while not self._stop.wait(0.25):
+                try:
+                    self._round()
+                except Exception as error:  # surfaced by close(); a kubelet keeps going
+                    self.errors.append(error)
+        finally:  # before this thread ends, which SIGKILLs what it started
+            wait([self._pool.submit(terminate, c.process) for c in self.containers.values() if c.process])
+            self._pool.shutdown(wait=True)
 
     def _round(self) -> None:
         selector = f"spec.nodeName={nodes.KUBELET_NODE}"
@@ -106,15 +123,21 @@ class Kubelet:
         raw = self.core.api_client.sanitize_for_serialization(pod)
         [spec] = [c for c in raw["spec"]["containers"] if c["name"] == SERVER_CONTAINER]
         volumes = {v["name"]: v for v in raw["spec"].get("volumes") or []}
-        host_paths = {
-            mount["mountPath"]: str(
-                Path(volumes[mount["name"]]["hostPath"]["path"]) / mount.get("subPath", "")
-            )
-            for mount in spec.get("volumeMounts") or []
-            if "hostPath" in volumes.get(mount["name"], {})
-        }
         meta = pod.metadata
         assert meta and meta.name and meta.uid, "the API server returns pods whole"
+        host_paths = {}
+        for mount in spec.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"], {})
+            if "hostPath" in volume:
+                host_paths[mount["mountPath"]] = str(
+                    Path(volume["hostPath"]["path"]) / mount.get("subPath", "")
+                )
+            elif "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+                # A fresh directory per pod, as the kubelet gives each disk-backed emptyDir; short, since
+                # vLLM binds its IPC sockets in TMPDIR and a socket path holds at most 107 bytes.
+                empty_dir = tempfile.mkdtemp(prefix="e3t-")
+                self._empty_dirs.append(empty_dir)
+                host_paths[mount["mountPath"]] = empty_dir
         container = _Container(meta.name, meta.uid, self._free_ips.pop(0), spec, host_paths)
         self.containers[container.pod] = container
         self._start(container)
@@ -128,7 +151,11 @@ class Kubelet:
         argv = [self._host_arg(container, arg) for arg in argv]
         if argv[0] == "eagle3-target":
             argv[:1] = serve_command()
-        env = {e["name"]: e["value"] for e in container.spec.get("env") or [] if "value" in e}
+        env = {
+            e["name"]: self._host_arg(container, e["value"])
+            for e in container.spec.get("env") or []
+            if "value" in e
+        }
         env |= {"CUDA_VISIBLE_DEVICES": "", "EAGLE3_TARGET_TERMINATION_LOG": str(termination)}
         with log.open("wb") as out:
             container.process = subprocess.Popen(
@@ -144,7 +171,8 @@ class Kubelet:
         self._report(container, {"running": {"startedAt": container.started_at}})
 
     def _host_arg(self, container: _Container, arg: str) -> str:
-        """The pod's view of an argument on this machine: its IP for 0.0.0.0, host paths for mounts."""
+        """The pod's view of an argument or env value on this machine: its IP for 0.0.0.0, host paths for
+        mounts."""
         if arg == "0.0.0.0":
             return container.ip
         for mount, host in container.host_paths.items():
@@ -164,11 +192,22 @@ class Kubelet:
         if code is not None:
             self._terminated(container, code)
             return
-        port = self._port(container)
-        ready = status_code(f"http://{container.ip}:{port}/readyz") == 200
+        if container.probe is None:
+            container.probe = self._pool.submit(self._readiness, container)
+            return
+        if not container.probe.done():
+            return
+        ready, container.probe = container.probe.result(), None
         if ready != container.ready:
             container.ready = ready
             self._report(container, {"running": {"startedAt": container.started_at}})
+
+    @staticmethod
+    def _readiness(container: _Container) -> bool:
+        """The pod's readinessProbe: a GET of /readyz within its timeoutSeconds (the kubelet's default 1)."""
+        port = next(p["containerPort"] for p in container.spec.get("ports") or [])
+        timeout = (container.spec.get("readinessProbe") or {}).get("timeoutSeconds", 1)
+        return status_code(f"http://{container.ip}:{port}/readyz", timeout=timeout) == 200
 
     def _terminated(self, container: _Container, code: int) -> None:
         message = (self.log_dir / f"{container.pod}.termination-log").read_text()
@@ -185,6 +224,7 @@ class Kubelet:
             "containerID": f"harness://{container.process.pid if container.process else 0}",
         }
         container.ready = False
+        container.probe = None  # a probe of the exited process says nothing about the next one
         delay = self.backoff_seconds * 2 ** min(container.restarts, 8)
         container.restart_at = time.monotonic() + delay
         back_off = f"back-off {delay:g}s restarting failed container={SERVER_CONTAINER} pod={container.pod}"
@@ -231,14 +271,16 @@ class Kubelet:
             if error.status != 404:  # deleted meanwhile: the next round removes it
                 raise
 
-    def _port(self, container: _Container) -> int:
-        return next(p["containerPort"] for p in container.spec.get("ports") or [])
-
     def _remove(self, name: str) -> None:
+        """A deleted pod: its server is stopped gracefully in the background; its IP is free once it
+        exited (a new pod must not find the old server still listening there)."""
         container = self.containers.pop(name)
-        if container.process is not None:
-            terminate(container.process)
-        self._free_ips.append(container.ip)
+        process = container.process
+        if process is None:
+            self._free_ips.append(container.ip)
+            return
+        stopping = self._pool.submit(terminate, process)
+        stopping.add_done_callback(lambda _: self._free_ips.append(container.ip))
 
 
 def _now() -> str:

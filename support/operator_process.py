@@ -41,6 +41,7 @@ class OperatorProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0
         self.liveness_port = 0
+        self.readiness_port = 0
         self.starts = 0
 
     @property
@@ -58,11 +59,12 @@ class OperatorProcess:
 
     def start(self) -> None:
         self.starts += 1
-        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.metrics_port, self.liveness_port, self.readiness_port = free_port(), free_port(), free_port()
         argv = [
             *self.command(),
             *(f"--namespace={namespace}" for namespace in self.namespaces),
             f"--liveness=http://{LOOPBACK}:{self.liveness_port}/healthz",
+            f"--readiness=http://{LOOPBACK}:{self.readiness_port}/readyz",
             f"--metrics-port={self.metrics_port}",
             f"--metrics-address={LOOPBACK}",
             f"--reprobe-seconds={self.reprobe_seconds}",
@@ -83,6 +85,11 @@ class OperatorProcess:
         if self.process is None or self.process.poll() is not None:
             raise AssertionError(f"operator exited:\n{self.log()[-4000:]}")
         return status_code(f"http://{LOOPBACK}:{self.liveness_port}/healthz") == 200
+
+    def readiness(self) -> tuple[int, dict[str, bool]]:
+        """The readiness endpoint's status code and body (readiness.py)."""
+        response = httpx.get(f"http://{LOOPBACK}:{self.readiness_port}/readyz", timeout=5)
+        return response.status_code, response.json()
 
     def kill(self) -> None:
         """SIGKILL: no cleanup at all, as when a node dies under the operator."""

@@ -27,10 +27,10 @@ MAX_BATCH_TOKENS = 2048
 MAX_MODEL_LEN = 256
 
 
-def status_code(url: str, headers: dict[str, str] | None = None) -> int | None:
-    """The status a GET of `url` answers with, or None while nothing answers there."""
+def status_code(url: str, headers: dict[str, str] | None = None, timeout: float = 5) -> int | None:
+    """The status a GET of `url` answers with, or None while nothing answers there (in time)."""
     try:
-        return httpx.get(url, headers=headers, timeout=5).status_code
+        return httpx.get(url, headers=headers, timeout=timeout).status_code
     except httpx.TransportError:
         return None
 
@@ -107,14 +107,16 @@ def start_server(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     gpus: bool = False,
+    ready_timeout: float = 180.0,
 ) -> ServerProcess:
-    """Start a server on a free loopback port; by default wait until /readyz says 200."""
+    """Start a server on a free loopback port; by default wait until /readyz says 200 (a real engine's
+    start can take longer than the default `ready_timeout`)."""
     port = free_port()
     server = launch(log_dir / f"server-{port}.log", port, args, env, gpus)
     try:
         server.wait_until("/healthz", 200)
         if wait_ready:
-            server.wait_until("/readyz", 200)
+            server.wait_until("/readyz", 200, timeout=ready_timeout)
     except BaseException:
         server.stop()
         raise

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import httpx
 import torch
 from eagle3_target import formats
-from eagle3_target.contract import VocabMapping
+from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners import TargetRunner
 from eagle3_target.wire import tensors as tensor_wire
@@ -22,6 +22,15 @@ class TokenBatch(NamedTuple):
     input_ids: Tensor
     attention_mask: Tensor
     loss_mask: Tensor
+
+
+def ragged_rows(vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Four right-padded rows of 61, 40, 17 and 1 tokens: more rows than one length, one of a single token
+    (the engines' agreement tests with HF)."""
+    gen = torch.Generator().manual_seed(11)
+    input_ids = torch.randint(0, vocab_size, (4, 61), generator=gen)
+    mask = (torch.arange(61)[None, :] < torch.tensor([61, 40, 17, 1])[:, None]).long()
+    return input_ids, mask
 
 
 def token_batch(seed: int, batch: int = 2, seq: int = 16, pad_last: int = 0) -> TokenBatch:
@@ -94,6 +103,34 @@ def assert_close_at_real_positions(
             return f"{label}: {message}"
 
         torch.testing.assert_close(got[name][valid], tensor[valid], atol=atol, rtol=atol, msg=labelled)
+
+
+def assert_every_format_matches(
+    runner: TargetRunner, hf: TargetRunner, input_ids: Tensor, mask: Tensor, atol: float
+) -> None:
+    """Another engine's runner against the HF runner: every format has the format's tensors and equals the
+    HF one at real positions (the vocab formats with one draft mapping)."""
+    mapping = draft_mapping(64, seed=3)
+    for fmt, spec in FORMATS.items():
+        got = reference(runner, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
+        want = reference(hf, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
+        assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
+        assert_close_at_real_positions(got, want, mask, atol, fmt)
+
+
+def assert_same_batch(got: Eagle3TargetBatch, want: Eagle3TargetBatch, atol: float) -> None:
+    """Two trainer batches (TargetClient.batch) from different engines: the same fields, within `atol`."""
+    for name in ("aux_hidden_states", "input_ids", "attention_mask", "loss_mask", "logits", "target_probs"):
+        mine, theirs = getattr(got, name), getattr(want, name)
+        assert (mine is None) == (theirs is None), name
+        if theirs is not None:
+
+            def labelled(message: str, label: str = name) -> str:
+                return f"{label}: {message}"
+
+            torch.testing.assert_close(mine, theirs, atol=atol, rtol=atol, msg=labelled)
+    if want.position_mask is not None:
+        assert got.position_mask is not None and torch.equal(got.position_mask, want.position_mask)
 
 
 def assert_error(response: httpx.Response, status: int, type_: str | None = None) -> dict:

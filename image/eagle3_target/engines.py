@@ -29,13 +29,19 @@ def _load_vllm(model_path: str | os.PathLike[str], **kwargs: Any) -> TargetRunne
     return VLLMRunner.from_pretrained(os.fspath(model_path), **kwargs)
 
 
+def _load_sglang(model_path: str | os.PathLike[str], **kwargs: Any) -> TargetRunner:
+    from eagle3_target.runners.sglang import SGLangRunner
+
+    return SGLangRunner.from_pretrained(model_path, **kwargs)
+
+
 def _no_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> None:
     from eagle3_target.runners.base import ModelRefused
 
     if engine_kwargs:
         raise ModelRefused(
             f"the {engine} engine takes no engine arguments, got {sorted(engine_kwargs)}: drop the "
-            "--engine-arg flags (they are vLLM's) or use --engine vllm"
+            "--engine-arg flags (they are vLLM's or SGLang's) or use --engine vllm or sglang"
         )
 
 
@@ -43,6 +49,12 @@ def _vllm_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> None:
     from eagle3_target.runners.vllm_args import RUNNER_OPTIONS, vllm_engine_kwargs
 
     vllm_engine_kwargs({key: value for key, value in engine_kwargs.items() if key not in RUNNER_OPTIONS})
+
+
+def _sglang_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> None:
+    from eagle3_target.runners.sglang_args import check_engine_args
+
+    check_engine_args(engine_kwargs)
 
 
 @dataclass(frozen=True)
@@ -58,10 +70,13 @@ class Engine:
     sharded: bool
     # What /readyz says while the engine loads.
     loading_message: str = "loading weights"
+    # The server image that has this engine installed: its variant of the release (the tag's suffix);
+    # the default image (vLLM's) serves every engine without one.
+    image_variant: str = ""
 
 
 # Static, for typed settings and the operator's spec; a test checks it names exactly the ENGINES entries.
-EngineName = Literal["vllm", "hf"]
+EngineName = Literal["vllm", "sglang", "hf"]
 # The first entry is the default.
 ENGINES: dict[str, Engine] = {
     "vllm": Engine(
@@ -69,6 +84,13 @@ ENGINES: dict[str, Engine] = {
         _vllm_engine_args,
         sharded=True,
         loading_message="starting the vLLM engine (loading weights, compiling, capturing CUDA graphs)",
+    ),
+    "sglang": Engine(
+        _load_sglang,
+        _sglang_engine_args,
+        sharded=True,
+        loading_message="starting the SGLang model runner (loading weights, allocating the KV cache)",
+        image_variant="sglang",
     ),
     "hf": Engine(_load_hf, _no_engine_args, sharded=False),
 }

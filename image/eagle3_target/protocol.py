@@ -149,6 +149,33 @@ class LoadProgress(BaseModel):
     elapsed_seconds: float = 0.0
 
 
+# Who pulls: every client of ours names its process (host or pod, and a per-process id) in this header, so a
+# server can tell its consumers apart; a client that sends none (NeMo's) is known by its peer address.
+CLIENT_HEADER = "X-Eagle3-Client"
+
+
+class ClientActivity(BaseModel):
+    """One consumer as a server saw it: its id (the header, else `peer HOST`), its data requests, the last."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    id: str
+    requests: int
+    last_request_at: float  # Unix time
+
+
+class Activity(BaseModel):
+    """A server's data requests (supervision, NeMo's /generate, weights): what /readyz says besides "ready",
+    for the operator to tell an idle target from a used one without credentials. `clients` are the most
+    recent ones, at most a few dozen."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+    requests: int = 0
+    last_request_at: float | None = None  # Unix time; None before the first
+    clients: tuple[ClientActivity, ...] = ()
+
+
 class HydrationProgress(BaseModel):
     """What a running `eagle3-target hydrate` answers on its progress port; None where not known yet."""
 

@@ -33,10 +33,12 @@ def write_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_size: str | None = None,
+    num_kv_heads: int = NUM_KV_HEADS,
 ) -> Path:
     """Save a seeded random model: Llama-style with an untied lm_head, or Qwen3-style with tied embeddings.
     Every norm weight is random too (see `NORM_WEIGHT_SPREAD`).
 
+    `num_kv_heads` (1 or `NUM_HEADS`): 2 lets tensor parallelism over two ranks split the KV heads too.
     `max_shard_size` (e.g. "50KB") splits the safetensors into shards with an index, like large checkpoints.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -48,7 +50,7 @@ def write_tiny_model(
         "intermediate_size": 2 * hidden_size,
         "num_hidden_layers": num_layers,
         "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
+        "num_key_value_heads": num_kv_heads,
         "vocab_size": vocab_size,
         "max_position_embeddings": MAX_POSITIONS,
         "initializer_range": INIT_STD,

@@ -4,7 +4,8 @@ A child is written only when it must be: its rendered digest moved, or someone e
 `matches` judges it). A child the indexes do not show is read by name before it is applied, so an object this
 target does not own is never taken over (NameConflict). Children of kinds without an index (PodMonitor: its
 CRD may not even exist) are looked up by name once per operator process, then known from its own applies.
-What a refused apply reports, and when it may be tried again, is kept with the rest of these writes.
+What a refused apply reports (the API server's refusals in the status vocabulary), and when it may be
+tried again, is kept with the rest of these writes.
 """
 
 from collections.abc import Iterable, Mapping
@@ -16,7 +17,7 @@ from kubernetes.utils import parse_quantity
 from eagle3_operator import metrics
 from eagle3_operator.constants import CHILD_KINDS, POD_MONITOR_API_VERSION
 from eagle3_operator.indexes import ChildState, TargetKey, child_state, controlling_target, essence
-from eagle3_operator.kube import KubeApi, NameConflict
+from eagle3_operator.kube import KubeApi, KubeError, NameConflict
 from eagle3_operator.render.children import rendered_digest
 from eagle3_operator.render.names import child_name
 from eagle3_operator.status.observation import Failure
@@ -66,24 +67,46 @@ class ChildWrites:
     # What this process knows of children of UNWATCHED_KINDS (no index shows them): (kind, name) -> state,
     # None when looked up and absent. Filled by one lookup per process, then by applies.
     unwatched: dict[ChildKey, ChildState | None] = field(default_factory=dict)
-    # The last refused apply: the rendering's digests and what status reports. Held until its retry timer
-    # calls `retry_due` (one deadline, the timer's: a second clock could disagree and leave none armed).
-    refused: tuple[tuple[str, ...], Failure] | None = None
+    # The last refused apply: the rendering's digests, what status reports, and when (the work queue's
+    # clock) it may be tried again; the pass that refused asks to run again then.
+    refused: tuple[tuple[str, ...], Failure, float] | None = None
 
-    def still_refused(self, digests: tuple[str, ...]) -> Failure | None:
-        """The refusal to report again instead of applying: the same rendering, before its retry is due."""
-        if self.refused is not None and self.refused[0] == digests:
-            return self.refused[1]
+    def still_refused(self, digests: tuple[str, ...], now: float) -> tuple[Failure, float] | None:
+        """The refusal to report again instead of applying, and when its retry is due: the same rendering,
+        before that time."""
+        if self.refused is not None and self.refused[0] == digests and now < self.refused[2]:
+            return self.refused[1], self.refused[2]
         return None
 
-    def refuse(self, digests: tuple[str, ...], failure: Failure) -> None:
-        """Remember a refused rendering: not applied again until `retry_due(failure)` unless it changes."""
-        self.refused = (digests, failure)
+    def refuse(self, digests: tuple[str, ...], failure: Failure, *, retry_at: float) -> None:
+        """Remember a refused rendering: not applied again before `retry_at` unless it changes."""
+        self.refused = (digests, failure, retry_at)
 
-    def retry_due(self, failure: Failure) -> None:
-        """The backoff after `failure` is over: the next pass applies (a later refusal keeps its own)."""
-        if self.refused is not None and self.refused[1] is failure:
-            self.refused = None
+
+def apply_failure(error: KubeError | NameConflict) -> Failure:
+    """What status reports when applying a child failed: a reason to act on, the server's own words.
+
+    Admission denials (webhooks, ValidatingAdmissionPolicies) and ResourceQuotas are told apart by the
+    message; other 400/422 mean the spec renders to something the API server will not take, and other
+    403 is RBAC.
+    """
+    if isinstance(error, NameConflict):
+        return Failure("NameConflict", str(error))
+    text = error.message.lower()
+    if "denied the request" in text or "denied request" in text:
+        reason = "AdmissionDenied"  # a webhook (often 403) or a ValidatingAdmissionPolicy (often 422)
+    elif error.status == 403 and "exceeded quota" in text:
+        reason = "QuotaExceeded"
+    elif error.status in (400, 422):
+        reason = "InvalidSpec"
+    elif error.status == 403:
+        reason = "Forbidden"
+    elif error.status == 409:
+        reason = "Conflict"
+    else:
+        reason = "ApplyFailed"
+    answer = f"HTTP {error.status or 'no answer'}"
+    return Failure(reason, f"the API server rejected a child ({answer}): {error.message}")
 
 
 class ChildApplier:
@@ -123,7 +146,7 @@ class ChildApplier:
             current = observed.pop(child_key, None)
             if manifest["kind"] == "Deployment" and not hydrated and current is not None:
                 continue  # Held as is (its pods may serve a previous revision) until the download completes.
-            if current is None and child_key not in writes.applied:
+            if current is None:  # deleted, lagging, or never ours: never apply over someone else's object
                 current = await self._existing(manifest, namespace, name)
             if current is not None and not _differs(manifest, current, writes):
                 continue

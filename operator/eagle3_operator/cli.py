@@ -4,8 +4,9 @@ At startup the operator reads the installed Eagle3Target CRD's schema version, s
 refuses to start on a CRD older than it needs.
 
 High availability: with `--leader-elect`, any number of replicas compete for a coordination.k8s.io Lease
-(leader.py); only the holder runs kopf, the others wait (answering liveness probes) and take over within
-about 20 s of the leader dying, or at once when it stops cleanly. A leader that cannot renew exits.
+(leader.py). Every replica runs kopf, so a standby's indexes are listed and kept warm, but only the holder
+reconciles (and probes); a standby takes over within about 20 s of the leader dying, or at once when it
+stops cleanly, and acts within seconds of winning. A leader that cannot renew exits.
 kopf's own peering is not used: it is not leader election (operators of equal priority both pause).
 
 Exact `--namespace` names and `--all-namespaces` need no Namespace or CRD watches (kopf's scanning is off,
@@ -15,27 +16,23 @@ so the Eagle3Target CRD must exist before the operator starts, which the startup
 """
 
 import asyncio
-import contextlib
-import functools
 import logging
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 import kopf
 import prometheus_client
 import typer
 import uvloop
-from aiohttp import web
 
 from eagle3_operator import handlers
 from eagle3_operator.constants import CRD_SCHEMA_VERSION
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.leader import LeaderElector
-from eagle3_operator.render.server_image import DEFAULT_IMAGE
+from eagle3_operator.readiness import Readiness
+from eagle3_operator.render.server_image import DEFAULT_IMAGE, ServerImages, release_image
 from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning
 
 logger = logging.getLogger(__name__)
@@ -65,6 +62,10 @@ def run(
     liveness: Annotated[
         str, typer.Option(help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz; empty disables")
     ] = "http://0.0.0.0:8080/healthz",
+    readiness: Annotated[
+        str,
+        typer.Option(help="readiness endpoint (readiness.py), e.g. http://0.0.0.0:8082/readyz; empty: none"),
+    ] = "",
     metrics_port: Annotated[int, typer.Option(help="port of /metrics (Prometheus); 0 disables")] = 8081,
     metrics_address: Annotated[str, typer.Option(help="address /metrics binds to")] = "0.0.0.0",
     reprobe_seconds: Annotated[
@@ -91,6 +92,9 @@ def run(
             " annotated eagle3.dev/upgrade-server-image)"
         ),
     ] = DEFAULT_IMAGE,
+    sglang_server_image: Annotated[
+        str, typer.Option(help="server image for new targets with engine sglang (SGLang's variant)")
+    ] = release_image("sglang"),
     leader_elect: Annotated[
         bool, typer.Option(help="act only while holding a coordination.k8s.io Lease (run several replicas)")
     ] = False,
@@ -113,7 +117,7 @@ def run(
         reprobe_seconds=reprobe_seconds,
         api_timeout_seconds=api_timeout_seconds,
         scan_cluster=needs_cluster_scanning(namespace or []),
-        server_image=server_image,
+        server_images=ServerImages(default=server_image, sglang=sglang_server_image),
         operator_namespace=operator_namespace,
         prometheus_namespace=prometheus_namespace,
     )
@@ -130,7 +134,7 @@ def run(
     try:
         # uvloop, as `kopf run` would pick it: the probes and watches of hundreds of targets share this loop.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(operate(config, kopf_options, election, liveness))
+            runner.run(operate(config, kopf_options, election, readiness))
     except CrdMismatch as error:
         typer.echo(f"eagle3-operator: {error}", err=True)
         raise typer.Exit(2) from error
@@ -140,20 +144,35 @@ async def operate(
     config: OperatorConfig,
     kopf_options: dict[str, Any],
     election: tuple[str, str] | None,
-    liveness: str,
+    readiness_url: str = "",
 ) -> None:
-    """Check the CRD, wait for leadership when electing, then run kopf (until a signal, or a lost lease)."""
+    """Check the CRD, then run kopf (until a signal, or a lost lease); when electing, kopf's indexes fill
+    while this replica stands by, and its passes start when it wins the Lease."""
     api = await KubeApi.connect(config.api_timeout_seconds)
     try:
-        await check_crd(api)
-        if election is None:
-            await kopf.operator(**kopf_options)
-            return
-        identity = f"{socket.gethostname()}-{secrets.token_hex(3)}"
-        elector = LeaderElector(api, *election, identity)
-        async with standby_liveness(liveness):
-            await elector.acquire()
-        await elector.run(functools.partial(kopf.operator, **kopf_options), _exit_at_once)
+        async with Readiness().serving(readiness_url) as readiness:
+            await check_crd(api)
+            kopf_options = {**kopf_options, "ready_flag": readiness.kopf_started}
+            if election is None:
+                readiness.leading = True
+                await kopf.operator(**kopf_options)
+                return
+            identity = f"{socket.gethostname()}-{secrets.token_hex(3)}"
+            elector = LeaderElector(api, *election, identity)
+            leading = kopf_options["memo"].leading = asyncio.Event()
+            readiness.standby = True
+
+            def lead() -> None:
+                readiness.standby, readiness.leading = False, True
+                leading.set()
+
+            # Created before kopf starts: kopf waits for, then cancels, tasks started after it, at its stop.
+            electing = asyncio.create_task(elector.run(lead, _exit_at_once), name="leader election")
+            try:
+                await kopf.operator(**kopf_options)
+            finally:  # a signal: renewing stops, then the Lease is released (a standby leads at once)
+                electing.cancel()
+                await asyncio.wait([electing])
     finally:
         await api.close()
 
@@ -175,32 +194,10 @@ async def check_crd(api: KubeApi) -> int:
 
 
 def _exit_at_once() -> None:
-    """Leadership lost: stop acting now, before another replica may start (the pod restarts as standby)."""
+    """Leadership lost (or unknowable after an error): stop acting now, before another replica may start
+    (the pod restarts as a standby)."""
     logging.shutdown()
     os._exit(1)
-
-
-@contextlib.asynccontextmanager
-async def standby_liveness(liveness: str) -> AsyncIterator[None]:
-    """While a replica waits for the Lease, answer the liveness endpoint kopf serves once it leads."""
-    if not liveness:
-        yield
-        return
-    url = urlsplit(liveness)
-
-    async def alive(_: web.Request) -> web.Response:
-        return web.json_response({"standby": True})
-
-    app = web.Application()
-    app.router.add_get(url.path or "/", alive)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, url.hostname, url.port or 80, reuse_address=True)
-    await site.start()
-    try:
-        yield
-    finally:
-        await runner.cleanup()
 
 
 def main() -> None:

@@ -34,6 +34,9 @@ ANNOTATION_RENDERED_DIGEST = f"{GROUP}/rendered-digest"
 # On a Deployment: the server image its target runs when spec.image is unset, fixed when the Deployment is
 # first rendered, so upgrading the operator restarts no target.
 ANNOTATION_SERVER_IMAGE = f"{GROUP}/server-image"
+# Beside it, when not the default: the image's variant (which engines it has), so moving the target to an
+# engine of another variant moves it to that variant's image.
+ANNOTATION_SERVER_IMAGE_VARIANT = f"{GROUP}/server-image-variant"
 # On a target: set or change its value to move the target to the operator's current server image (the
 # Deployment records the value it acted on).
 ANNOTATION_UPGRADE = f"{GROUP}/upgrade-server-image"
@@ -46,8 +49,11 @@ CRD_SCHEMA_VERSION = 1
 MODEL_MOUNT = "/models"
 SHM_MOUNT = "/dev/shm"
 AUTH_MOUNT = "/var/run/secrets/eagle3-target/auth"
-OPERATOR_VOLUMES = frozenset({"model", "dshm", "auth"})
-OPERATOR_MOUNT_PATHS = (MODEL_MOUNT, SHM_MOUNT, AUTH_MOUNT)
+# The root filesystem is read-only: HOME and TMPDIR point into this emptyDir (engines' compile caches,
+# vLLM's IPC sockets, the Hub client's locks), the one place a target's containers write besides /dev/shm.
+SCRATCH_MOUNT = "/var/lib/eagle3-target"
+OPERATOR_VOLUMES = frozenset({"model", "dshm", "auth", "scratch"})
+OPERATOR_MOUNT_PATHS = (MODEL_MOUNT, SHM_MOUNT, AUTH_MOUNT, SCRATCH_MOUNT)
 # Environment the server container gets from the operator: the Hub switch and every EAGLE3_TARGET_* setting
 # the command line already sets from a typed field (flags win over env, so such an entry would be ignored).
 OPERATOR_ENV = frozenset(

@@ -8,8 +8,11 @@ therefore never waits for the operator; owner references let Kubernetes collect 
 runs in the reconciler's own asyncio tasks, not kopf timers, for the same reason (timers add a finalizer).
 
 kopf delivers events only after every index is fully listed, so a pass never sees a half-built view.
+With leader election every replica runs kopf, so a standby's indexes are as warm as the leader's; its
+passes only queue until it wins the Lease (`memo.leading`), and then start at once.
 """
 
+import asyncio
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,7 @@ class Runtime:
 
     api: KubeApi
     reconciler: Reconciler
+    standby: asyncio.Task[None] | None = None  # a standby's wait for the Lease, which starts the passes
 
 
 @kopf.on.login(registry=registry)
@@ -54,8 +58,10 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.startup(registry=registry)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Configure kopf and build the reconciler over the indexes (kopf passes them by handler id)."""
+    """Configure kopf and build the reconciler over the indexes (kopf passes them by handler id); start it
+    now, or when `memo.leading` is set (leader election)."""
     config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
+    leading: asyncio.Event | None = getattr(memo, "leading", None)
     configure(settings, config)
     api = await KubeApi.connect(config.api_timeout_seconds)
     reconciler = Reconciler(
@@ -65,14 +71,25 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
         pods=kwargs["pod_index"],
         neighbours=Neighbours(config.operator_namespace, config.prometheus_namespace),
         probe_interval=config.reprobe_seconds,
-        server_image=config.server_image,
+        server_images=config.server_images,
     )
     memo.runtime = Runtime(api, reconciler)
+    if leading is None:
+        reconciler.start()
+    else:
+        memo.runtime.standby = asyncio.create_task(_start_when(leading, reconciler), name="standby")
+
+
+async def _start_when(leading: asyncio.Event, reconciler: Reconciler) -> None:
+    await leading.wait()
+    reconciler.start()
 
 
 @kopf.on.cleanup(registry=registry)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime = memo.runtime
+    if runtime.standby is not None:
+        runtime.standby.cancel()
     await runtime.reconciler.close()
     await runtime.api.close()
 

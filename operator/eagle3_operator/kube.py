@@ -22,7 +22,7 @@ from kubernetes.aio import config as aio_config
 from eagle3_operator import metrics
 from eagle3_operator.constants import ANNOTATION_SCHEMA_VERSION, CHILD_KINDS
 from eagle3_operator.settings import OperatorConfig
-from eagle3_operator.status.observation import Failure, timestamp
+from eagle3_operator.status.observation import timestamp
 
 LEASES = "coordination.k8s.io/v1"
 DISCOVERY_TTL_SECONDS = 300.0
@@ -39,36 +39,9 @@ class KubeError(Exception):
         self.status = status
         self.message = message
 
-    def failure(self) -> Failure:
-        """What status reports when applying a child failed this way: a reason to act on, the server's words.
-
-        Admission denials (webhooks, ValidatingAdmissionPolicies) and ResourceQuotas are told apart by the
-        message; other 400/422 mean the spec renders to something the API server will not take, and other
-        403 is RBAC.
-        """
-        text = self.message.lower()
-        if "denied the request" in text or "denied request" in text:
-            reason = "AdmissionDenied"  # a webhook (often 403) or a ValidatingAdmissionPolicy (often 422)
-        elif self.status == 403 and "exceeded quota" in text:
-            reason = "QuotaExceeded"
-        elif self.status in (400, 422):
-            reason = "InvalidSpec"
-        elif self.status == 403:
-            reason = "Forbidden"
-        elif self.status == 409:
-            reason = "Conflict"
-        else:
-            reason = "ApplyFailed"
-        return Failure(
-            reason, f"the API server rejected a child (HTTP {self.status or 'no answer'}): {self.message}"
-        )
-
 
 class NameConflict(Exception):
     """A child's name is taken by an object this target does not own: it is never taken over."""
-
-    def failure(self) -> Failure:
-        return Failure("NameConflict", str(self))
 
 
 @dataclass(frozen=True)

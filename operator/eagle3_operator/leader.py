@@ -8,16 +8,17 @@ the renew deadline, which is shorter than the lease: it stops acting before anyo
 leader that stops cleanly stops renewing, then clears the holder, so the standby takes over at its next
 retry.
 
-`run(work, on_stopped_leading)` is client-go's `RunOrDie`: the work runs only while the Lease is renewed,
-and any end of renewing, a lost Lease or any exception at all in the renew loop, calls
-`on_stopped_leading`, which must stop the acting (the operator exits at once and its pod restarts as a
-standby). A renew loop that died while the work went on would leave two replicas acting.
+`run(on_started_leading, on_stopped_leading)` is client-go's `RunOrDie`: it waits for the Lease, calls
+`on_started_leading`, and renews; any other end, a lost Lease or any exception at all (while waiting or
+renewing), calls `on_stopped_leading`, which must stop the acting (the operator exits at once and its pod
+restarts as a standby). A renew loop that died while the acting went on would leave two replicas acting.
+Cancelling `run` is the clean stop: renewing ends, then the Lease is released.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -66,32 +67,23 @@ class LeaderElector:
         self.leading = True
         logger.info("leader election: %s leads (Lease %s/%s)", self.identity, self.namespace, self.name)
 
-    async def run(self, work: Callable[[], Awaitable[None]], on_stopped_leading: Callable[[], None]) -> None:
-        """Wait for the Lease (unless `acquire` already won it), then run `work` while renewing it. If
-        renewing ends for any reason but this method's own stop, `on_stopped_leading()` is called at once (it
-        must stop the work, e.g. exit the process). When `work` returns or raises, renewing is cancelled
-        first, then the Lease released."""
-        if not self.leading:
-            await self.acquire()
-        renewing = asyncio.create_task(self._renew(), name="leader election")
-
-        def ended(task: asyncio.Task[None]) -> None:
-            if task.cancelled():
-                return  # stopped by this method: the work ended first
-            self.leading = False
-            error = task.exception()
-            if error is not None:
-                logger.error("leader election: renewing failed, %s stops leading: %s: %s",
-                             self.identity, type(error).__name__, error)  # fmt: skip
-            on_stopped_leading()
-
-        renewing.add_done_callback(ended)
+    async def run(
+        self, on_started_leading: Callable[[], None], on_stopped_leading: Callable[[], None]
+    ) -> None:
+        """Wait for the Lease, call `on_started_leading()`, renew. Any end but cancellation (the Lease lost,
+        any exception) calls `on_stopped_leading()` at once: it must stop the acting (exit the process).
+        Cancelled, it stops renewing, then releases the Lease, so a standby takes over at once."""
         try:
-            await work()
-        finally:
-            renewing.cancel()
-            await asyncio.wait([renewing])  # its end, however it came, was handled by `ended`
+            await self.acquire()
+            on_started_leading()
+            await self._renew()
+        except asyncio.CancelledError:
             await self.release()
+            raise
+        except Exception as error:  # whatever it is, this replica can no longer know it leads
+            logger.error("leader election: %s stops: %s: %s", self.identity, type(error).__name__, error)
+        self.leading = False
+        on_stopped_leading()
 
     async def _renew(self) -> None:
         """Renew every retry period; return once the Lease has not been renewed for the renew deadline

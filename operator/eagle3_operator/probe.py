@@ -9,7 +9,8 @@ its own jittered period; the reconcile pass only reads the latest published resu
 when a result changes. A serving endpoint is published as not ready only after `failure_threshold`
 consecutive failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never
 served is published as the probe finds it, so its error shows at once. /v1/info is immutable for a
-server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that.
+server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that. A
+running download (a hydration pod) is polled for its progress the same way, so status moves while it runs.
 
 Probes carry no credentials: /readyz and /v1/info answer without the token (the data routes do not), so
 nothing a resource's author writes can make the operator send a secret anywhere. An external endpoint
@@ -68,8 +69,17 @@ class _Endpoint:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+@dataclass
+class _Download:
+    url: str
+    progress: HydrationProgress | None = None  # its last answer (kept while it is silent)
+    polled: bool = False  # its first poll has ended, answered or not
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
 class Prober(Generic[K]):
-    """Tracks endpoints per owner key (a target) and calls `on_change(key)` when a published result moves."""
+    """Tracks endpoints and downloads per owner key (a target) and calls `on_change(key)` when a published
+    result or a download's progress moves."""
 
     def __init__(
         self,
@@ -91,6 +101,7 @@ class Prober(Generic[K]):
         self._interval = interval
         self._threshold = failure_threshold
         self._endpoints: dict[K, dict[str, _Endpoint]] = {}
+        self._downloads: dict[K, _Download] = {}
 
     @property
     def tracked(self) -> int:
@@ -115,12 +126,35 @@ class Prober(Generic[K]):
             del self._endpoints[key]
         return {name: endpoint.published for name, endpoint in endpoints.items()}
 
+    def follow_download(self, key: K, url: str | None) -> HydrationProgress | None:
+        """Poll this progress URL of `key`'s running download from now on (None: there is none); return
+        what it last said (None until it answers; `awaiting_download` tells whether it was asked yet)."""
+        download = self._downloads.get(key)
+        if download is not None and download.url != url:
+            self._stop(self._downloads.pop(key))
+            download = None
+        if url is None:
+            return None
+        if download is None:
+            download = self._downloads[key] = _Download(url)
+            download.task = asyncio.create_task(self._follow(key, download), name=f"progress {url}")
+        return download.progress
+
+    def awaiting_download(self, key: K) -> bool:
+        """Whether `key`'s download is followed and its first poll has not ended: its progress is unknown
+        yet, not absent."""
+        download = self._downloads.get(key)
+        return download is not None and not download.polled
+
     def forget(self, key: K) -> None:
         for endpoint in self._endpoints.pop(key, {}).values():
             self._stop(endpoint)
+        download = self._downloads.pop(key, None)
+        if download is not None:
+            self._stop(download)
 
     async def close(self) -> None:
-        for key in list(self._endpoints):
+        for key in {*self._endpoints, *self._downloads}:
             self.forget(key)
         await self._client.aclose()
 
@@ -166,7 +200,7 @@ class Prober(Generic[K]):
             try:
                 status, body = await self._get(url)
                 return HydrationProgress.model_validate_json(body) if 200 <= status < 300 else None
-            except (TimeoutError, _BodyTooLarge, httpx.TransportError, ValidationError):
+            except Exception:  # silence, like any failure in `check` (httpx lets OSError and more through)
                 return None
 
     async def _run(self, key: K, endpoint: _Endpoint) -> None:
@@ -182,7 +216,23 @@ class Prober(Generic[K]):
                 result = ProbeResult(ready=False, reachable=False, error=NO_TARGET_SERVER)
             if self._record(endpoint, result):
                 self._on_change(key)
-            await asyncio.sleep(self._interval * random.uniform(1 - JITTER, 1 + JITTER))
+            await self._pause()
+
+    async def _follow(self, key: K, download: _Download) -> None:
+        while True:
+            progress = await self.hydration_progress(download.url)
+            first = not download.polled
+            download.polled = True
+            if progress is not None and progress != download.progress:
+                download.progress = progress
+                self._on_change(key)
+            elif first:
+                self._on_change(key)  # the pass holding the stored status for it may go on
+            await self._pause()
+
+    async def _pause(self) -> None:
+        """The wait between two probes of one endpoint, or two polls of one download."""
+        await asyncio.sleep(self._interval * random.uniform(1 - JITTER, 1 + JITTER))
 
     def _record(self, endpoint: _Endpoint, result: ProbeResult) -> bool:
         """Apply one probe's result with hysteresis; whether the published result changed."""
@@ -199,9 +249,9 @@ class Prober(Generic[K]):
         return changed
 
     @staticmethod
-    def _stop(endpoint: _Endpoint) -> None:
-        if endpoint.task is not None:
-            endpoint.task.cancel()
+    def _stop(tracked: _Endpoint | _Download) -> None:
+        if tracked.task is not None:
+            tracked.task.cancel()
 
 
 def _name(error: BaseException) -> str:

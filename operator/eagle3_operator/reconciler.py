@@ -1,16 +1,16 @@
 """One level-based reconcile per target: children in place, probe results read, status written on change.
 
-Every trigger (the target changed, a child or pod changed, a probe result changed, a startup deadline came)
-just asks for a pass over one target; requests that arrive while a pass runs fold into a single follow-up
-pass. A pass reads only in-memory state (kopf's indexes of the target, its children and its pods, see
-indexes.py, and the prober's latest results), so it makes API calls only to change something: a child
-that differs from what is rendered (or is missing, or should not exist) is applied or deleted
-(child_applier.py), and the status is patched with just the keys that changed. Probing never happens
-inside a pass (probe.py), so a hung server cannot hold a reconcile worker.
+Every trigger (the target changed, a child or pod changed, a probe result or a download's progress moved)
+just asks for a pass over one target, through one work queue (workqueue.py): requests that arrive while a
+pass runs fold into a single follow-up pass, and each pass returns when it wants to run again (a startup
+deadline, the end of a refused apply's backoff, the end of a wait for first probe verdicts), so the queue
+holds every timer and retry there is. A pass reads only in-memory state (kopf's indexes of the target, its
+children and its pods, see indexes.py, and the prober's latest results), so it makes API calls only to
+change something: a child that differs from what is rendered (or is missing, or should not exist) is
+applied or deleted (child_applier.py), and the status is patched with just the keys that changed. Probing
+never happens inside a pass (probe.py), so a hung server cannot hold a reconcile worker.
 """
 
-import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from eagle3_operator import metrics
-from eagle3_operator.child_applier import ChildApplier, ChildWrites
+from eagle3_operator.child_applier import ChildApplier, ChildWrites, apply_failure
 from eagle3_operator.constants import HYDRATION_PROGRESS_PORT, LABEL_INSTANCE, POD_MONITOR_API_VERSION
 from eagle3_operator.indexes import ChildState, TargetKey, TargetSnapshot, only
 from eagle3_operator.kube import DISCOVERY_TTL_SECONDS, KubeApi, KubeError, NameConflict, TargetRef
@@ -30,11 +30,12 @@ from eagle3_operator.render.model_source import hf_revision
 from eagle3_operator.render.names import label_selector, selector_labels
 from eagle3_operator.render.network import Neighbours, service_url
 from eagle3_operator.render.server_command import model_identity, server_args
-from eagle3_operator.render.server_image import DEFAULT_IMAGE, ImagePin, pin_image
+from eagle3_operator.render.server_image import DEFAULT_IMAGES, ImagePin, ServerImages, pin_image
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status.conditions import Transition, transitions
 from eagle3_operator.status.document import compute_status, status_patch
 from eagle3_operator.status.observation import (
+    EPOCH,
     Failure,
     Hydration,
     JobView,
@@ -43,18 +44,18 @@ from eagle3_operator.status.observation import (
     endpoint_address,
 )
 from eagle3_operator.status.observe import deployment_view, describe_progress, hydration_state
+from eagle3_operator.workqueue import WorkQueue
 
 logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_RECONCILES = 32
-# Waits before another try after a failed pass or a refused apply (the last repeats): a refused apply is
-# not tried again before its wait is over unless the rendering changes.
-RETRY_DELAYS = (1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # How often a target that wants a PodMonitor looks for prometheus-operator's API while it is not served.
 MONITOR_RECHECK_SECONDS = 15.0
-# The longest the stored status stands for endpoints not probed yet: a first probe ends within its deadline
-# once it has a slot.
-FIRST_VERDICT_WAIT_SECONDS = 2 * PROBE_DEADLINE_S
+# The longest the stored status stands for endpoints not probed yet. A first probe ends within its deadline
+# once it has a slot, but after a restart every endpoint wants one at once, and each endpoint that stalls
+# holds a slot for a whole deadline: 6 deadlines cover the first verdicts of some 300 stalling endpoints
+# (MAX_CONCURRENT_PROBES per deadline) before the healthy ones'.
+FIRST_VERDICT_WAIT_SECONDS = 6 * PROBE_DEADLINE_S
 
 
 @dataclass
@@ -69,33 +70,23 @@ class _Memory:
     superseded: set[str] = field(default_factory=set)
     generation: int = 0  # of the last pass
     children: ChildWrites = field(default_factory=ChildWrites)  # what this process's applies left
-    failures: int = 0  # consecutive failed passes or refused applies
     unknown: tuple[str, ...] = ()  # spec fields this operator does not know, already warned about
-    monitor_recheck: asyncio.TimerHandle | None = None  # the pass asked for to see if PodMonitors exist yet
     pin: ImagePin = field(default_factory=ImagePin)  # the server image of the last rendering
-    wakeup: asyncio.TimerHandle | None = None  # the pass asked for at the next startup deadline
-    # Since when (monotonic) the stored status has stood for endpoints not probed yet, and the pass asked
-    # for when that wait is over.
+    # Since when (the work queue's clock) the stored status has stood for endpoints not probed yet.
     holding_since: float | None = None
-    hold_ends: asyncio.TimerHandle | None = None
 
-    def cancel_wakeup(self) -> None:
-        if self.wakeup is not None:
-            self.wakeup.cancel()
-            self.wakeup = None
 
-    def stop_holding(self) -> None:
-        self.holding_since = None
-        if self.hold_ends is not None:
-            self.hold_ends.cancel()
-            self.hold_ends = None
+@dataclass
+class Pass:
+    """What one pass did (its result label for metrics: ok, invalid_spec, apply_refused, gone) and when it
+    wants to run again (seconds; None: only when something changes)."""
 
-    def cancel_timers(self) -> None:
-        self.cancel_wakeup()
-        self.stop_holding()
-        if self.monitor_recheck is not None:
-            self.monitor_recheck.cancel()
-            self.monitor_recheck = None
+    result: str
+    requeue_after: float | None = None
+
+    def again_within(self, delay: float) -> None:
+        """Run again at the latest after `delay` (the earliest of what the pass's parts ask for)."""
+        self.requeue_after = delay if self.requeue_after is None else min(self.requeue_after, delay)
 
 
 class Reconciler:
@@ -108,31 +99,37 @@ class Reconciler:
         pods: Mapping[TargetKey, Iterable[PodView]],
         neighbours: Neighbours | None = None,
         probe_interval: float,
-        server_image: str = DEFAULT_IMAGE,
+        server_images: ServerImages = DEFAULT_IMAGES,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         """`targets`, `children` and `pods` are kopf indexes (key → the values indexed under it);
-        `server_image` is what new targets without spec.image run."""
+        `server_images` are what new targets without spec.image run. Passes run once `start()` is called."""
         self._api = api
         self._neighbours = neighbours or Neighbours()
-        self._server_image = server_image
+        self._server_images = server_images
         self._prober: Prober[TargetKey] = Prober(self.request, interval=probe_interval)
         self._targets = targets
         self._children = ChildApplier(api, children)
         self._pods = pods
         self._clock = clock
         self._memory: dict[TargetKey, _Memory] = {}
-        self._pending: set[TargetKey] = set()
-        self._workers: dict[TargetKey, asyncio.Task[None]] = {}
-        self._slots = asyncio.Semaphore(MAX_CONCURRENT_RECONCILES)
+        self._queue: WorkQueue[TargetKey] = WorkQueue(
+            self._pass,
+            concurrency=MAX_CONCURRENT_RECONCILES,
+            expected_errors=(KubeError, OSError),
+            name="reconcile",
+        )
         self._instances: dict[TargetKey, str] = {}  # (namespace, pod instance label) -> target name
         self._published: dict[TargetKey, tuple[str, int]] = {}  # what the target gauges count: phase, ready
 
     def request(self, key: TargetKey) -> None:
         """Ask for a pass over one target; cheap, never blocks, coalesces with a pass already queued."""
-        self._pending.add(key)
-        if key not in self._workers:
-            self._workers[key] = asyncio.create_task(self._work(key), name=f"reconcile {key[0]}/{key[1]}")
+        self._queue.add(key)
+
+    def start(self) -> None:
+        """Run passes from now on (until then requests only queue: a standby's warm indexes fill the queue,
+        and winning the Lease starts it)."""
+        self._queue.start()
 
     def request_instance(self, namespace: str, instance: str) -> None:
         """Ask for a pass over the target whose pods carry this instance label (pods have no owner link)."""
@@ -159,54 +156,51 @@ class Reconciler:
         return self._prober.tracked
 
     async def close(self) -> None:
-        for memory in self._memory.values():
-            memory.cancel_timers()
+        """Stop in order: passes first (no new ones, running ones finished), then probing."""
+        await self._queue.shutdown()
         await self._prober.close()
 
-    async def _work(self, key: TargetKey) -> None:
-        try:
-            while key in self._pending:
-                self._pending.discard(key)
-                async with self._slots:
-                    await self._pass_with_retry(key)
-        finally:
-            del self._workers[key]
-
-    async def _pass_with_retry(self, key: TargetKey) -> None:
+    async def _pass(self, key: TargetKey) -> float | None:
+        """The work queue's unit: one pass, counted; a pass that raises is retried by the queue."""
         started = time.monotonic()
+        result = "error"
         try:
-            result = await self.reconcile(key)
-        except Exception as error:  # The worker's boundary: log, back off, try again; never lose the target.
-            delay = self._retry_later(key, self._memory.setdefault(key, _Memory()))
-            log = logger.warning if isinstance(error, KubeError | OSError) else logger.exception
-            log("reconcile of %s/%s failed, retrying in %.0fs: %s", *key, delay, error)
-            result = "error"
-        metrics.RECONCILES.labels(result=result).inc()
-        metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
+            outcome = await self.reconcile(key)
+            result = outcome.result
+            return outcome.requeue_after
+        finally:
+            metrics.RECONCILES.labels(result=result).inc()
+            metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
 
-    async def reconcile(self, key: TargetKey) -> str:
-        """One pass; returns the result label for metrics (ok, invalid_spec, gone)."""
+    async def reconcile(self, key: TargetKey) -> Pass:
+        """One pass over one target."""
         snapshot = only(self._targets.get(key))
         if snapshot is None or snapshot.deleting:
             self._forget(key)  # Deleted: owner references let the garbage collector remove the children.
-            return "gone"
+            return Pass("gone")
         memory = self._memory.get(key)
         if memory is None or memory.uid != snapshot.uid:  # new, or deleted and created again under the name
             memory = self._memory[key] = _Memory(uid=snapshot.uid)
         namespace, name = key
         self._instances[namespace, selector_labels(name)[LABEL_INSTANCE]] = name
         memory.generation = snapshot.generation
+        outcome = Pass("ok")
         try:
             spec = Eagle3TargetSpec.parse(dict(snapshot.spec))
         except InvalidSpec as error:
+            self._prober.forget(key)  # nothing to probe or follow until the spec is fixed
             observation = Observation(generation=snapshot.generation, spec=None, spec_error=str(error))
         else:
             await self._warn_unknown_fields(key, snapshot, memory)
-            applied, refused = await self._sync_children(key, snapshot, spec, memory)
-            observation = await self._observe(key, snapshot, spec, memory, applied, refused)
-        self._wake_at_startup_deadline(key, memory, observation)
-        if self._holds_stored_status(key, snapshot, memory, observation):
-            return "ok"
+            applied, refused = await self._sync_children(key, snapshot, spec, memory, outcome)
+            observation = self._observe(key, snapshot, spec, memory, applied, refused)
+        deadline = self._next_startup_deadline(observation)
+        if deadline is not None:
+            outcome.again_within(deadline)
+        hold = self._stored_status_hold(snapshot, memory, observation)
+        if hold is not None:
+            outcome.again_within(hold)
+            return outcome
         lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
         if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
             memory.superseded.clear()
@@ -233,69 +227,57 @@ class Reconciler:
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
         if observation.apply_failure is None:
-            memory.failures = 0
+            self._queue.forget(key)
         self._published[key] = (status["phase"], status.get("readyReplicas") or 0)
         metrics.publish_targets(self._published.values())
         if observation.spec is None:
-            return "invalid_spec"
-        return "ok" if observation.apply_failure is None else "apply_refused"
+            outcome.result = "invalid_spec"
+        elif observation.apply_failure is not None:
+            outcome.result = "apply_refused"
+        return outcome
 
-    def _holds_stored_status(
-        self, key: TargetKey, snapshot: TargetSnapshot, memory: _Memory, observation: Observation
-    ) -> bool:
-        """Whether this pass leaves the stored status as it is: some endpoint has no probe verdict yet and
-        the status already says something (an operator restart, a takeover, a new pod). Not probed is
-        unknown, not failed: writing now would flip a serving target to not Ready, drop its model and post
-        events, all taken back a probe later. The prober asks for a pass at each first verdict; the wait
-        is bounded by FIRST_VERDICT_WAIT_SECONDS, after which the pass writes what it knows."""
+    def _stored_status_hold(
+        self, snapshot: TargetSnapshot, memory: _Memory, observation: Observation
+    ) -> float | None:
+        """How much longer this pass leaves the stored status as it is (None: it does not): some endpoint
+        has no probe verdict yet and the status already says something (an operator restart, a takeover,
+        a new pod). Not probed is unknown, not failed: writing now would flip a serving target to not
+        Ready, drop its model and post events, all taken back a probe later. The prober asks for a pass
+        at each first verdict; the wait is bounded by FIRST_VERDICT_WAIT_SECONDS, after which the pass
+        writes what it knows."""
         if not observation.awaiting_verdicts or not (snapshot.status or {}).get("conditions"):
-            memory.stop_holding()
-            return False
-        now = time.monotonic()
+            memory.holding_since = None
+            return None
+        now = self._queue.now()
         if memory.holding_since is None:
             memory.holding_since = now
-            memory.hold_ends = asyncio.get_running_loop().call_later(
-                FIRST_VERDICT_WAIT_SECONDS, self.request, key
-            )
-        if now - memory.holding_since >= FIRST_VERDICT_WAIT_SECONDS:
-            memory.stop_holding()
-            return False
-        return True
-
-    def _retry_later(
-        self, key: TargetKey, memory: _Memory, when_due: Callable[[], None] | None = None
-    ) -> float:
-        """Ask for another pass after the next backoff delay, calling `when_due` first; returns the delay."""
-        delay = RETRY_DELAYS[min(memory.failures, len(RETRY_DELAYS) - 1)]
-        memory.failures += 1
-
-        def retry() -> None:
-            if when_due is not None:
-                when_due()
-            self.request(key)
-
-        asyncio.get_running_loop().call_later(delay, retry)
-        return delay
+        left = memory.holding_since + FIRST_VERDICT_WAIT_SECONDS - now
+        if left <= 0:
+            memory.holding_since = None
+            return None
+        return left
 
     async def _sync_children(
-        self, key: TargetKey, snapshot: TargetSnapshot, spec: Eagle3TargetSpec, memory: _Memory
+        self, key: TargetKey, snapshot: TargetSnapshot, spec: Eagle3TargetSpec, memory: _Memory, outcome: Pass
     ) -> tuple[dict[str, dict[str, Any]], Failure | None]:
         """Apply what differs from the rendering, delete what should not exist.
 
         Returns what was applied, and why applying failed if it did: every refusal (admission, quota,
         RBAC, conflicts, 5xx, no answer) or a name taken by someone else is reported in status, and not
-        tried again before its backoff delay unless the rendering changes.
+        tried again before its backoff delay (the pass asks to run again then) unless the rendering
+        changes.
         """
         namespace, name = key
         writes = memory.children
         digests: tuple[str, ...] = ()
+        now = self._queue.now()
         try:
-            monitors = await self._pod_monitors_served(key, spec, memory)
+            monitors = await self._pod_monitors_served(spec, outcome)
             owned = self._children.owned(key)
             deployment = next(
                 (c.essence for c in owned if c.kind == "Deployment" and c.owner_uid == snapshot.uid), None
             )
-            pin = memory.pin = pin_image(deployment, snapshot.upgrade, self._server_image)
+            pin = memory.pin = pin_image(deployment, snapshot.upgrade, self._server_images, spec.engine)
             job_name = hydration_job_name(name, spec, pin)
             job = self._hydration_job(key, job_name)
             hydrated = job_name is None or (job is not None and job.complete)
@@ -310,22 +292,25 @@ class Reconciler:
                 pin=pin,
             )
             digests = tuple(rendered_digest(manifest) or "" for manifest in desired)
-            refused = writes.still_refused(digests)
-            if refused is not None:
-                return {}, refused
+            held = writes.still_refused(digests, now)
+            if held is not None:
+                failure, retry_at = held
+                outcome.again_within(retry_at - now)
+                return {}, failure
             applied = await self._children.apply(
                 key, snapshot.uid, desired, writes, monitors=monitors, hydrated=hydrated
             )
         except (KubeError, NameConflict) as error:
-            failure = error.failure()
-            writes.refuse(digests, failure)
-            delay = self._retry_later(key, memory, functools.partial(writes.retry_due, failure))
+            failure = apply_failure(error)
+            delay = self._queue.backoff(key)
+            writes.refuse(digests, failure, retry_at=now + delay)
+            outcome.again_within(delay)
             logger.warning("%s/%s: %s; trying again in %.0fs", namespace, name, failure.message, delay)
             return {}, failure
         writes.refused = None
         return applied, None
 
-    async def _pod_monitors_served(self, key: TargetKey, spec: Eagle3TargetSpec, memory: _Memory) -> bool:
+    async def _pod_monitors_served(self, spec: Eagle3TargetSpec, outcome: Pass) -> bool:
         """Whether PodMonitors can exist. A target that wants one looks again soon when they cannot (its CRD
         may be installed any time): discovery is asked at most every MONITOR_RECHECK_SECONDS for it."""
         if spec.external:
@@ -333,16 +318,11 @@ class Reconciler:
         wanted = spec.monitoring.pod_monitor.enabled
         max_age = MONITOR_RECHECK_SECONDS if wanted else DISCOVERY_TTL_SECONDS
         served = await self._api.serves(POD_MONITOR_API_VERSION, max_age=max_age)
-        if wanted and not served and memory.monitor_recheck is None:
-
-            def recheck() -> None:
-                memory.monitor_recheck = None
-                self.request(key)
-
-            memory.monitor_recheck = asyncio.get_running_loop().call_later(MONITOR_RECHECK_SECONDS, recheck)
+        if wanted and not served:
+            outcome.again_within(MONITOR_RECHECK_SECONDS)
         return served
 
-    async def _observe(
+    def _observe(
         self,
         key: TargetKey,
         snapshot: TargetSnapshot,
@@ -356,6 +336,7 @@ class Reconciler:
             url = service_url(name, namespace, spec)
             # A URL the resource's author chose: status tells only whether a target server answers there.
             probes = self._prober.watch(key, {} if spec.suspend else {url: url}, disclose=False)
+            self._prober.follow_download(key, None)
             return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
         deployments = [c.deployment for c in self._children.owned(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else only(deployments)
@@ -372,23 +353,27 @@ class Reconciler:
             probes=self._prober.watch(key, running),
             identity=model_identity(server_args(spec)),
             apply_failure=refused,
-            hydration=await self._hydration(key, spec, memory.pin),
+            hydration=self._hydration(key, spec, memory.pin),
+            awaiting_download=self._prober.awaiting_download(key),
         )
 
-    async def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec, pin: ImagePin) -> Hydration | None:
-        """The download's state, from the hydration Job and its pods; its progress from the running pod."""
+    def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec, pin: ImagePin) -> Hydration | None:
+        """The download's state, from the hydration Job and its pods; its progress as the prober last read
+        it from the running pod (the prober polls it while the download runs and asks for a pass when it
+        moves)."""
         job_name = hydration_job_name(key[1], spec, pin)
+        job = self._hydration_job(key, job_name)
+        pods = [pod for pod in self._pods_of(key) if pod.hydration and not pod.terminating]
+        # The newest attempt's pod (a Job's retry can overlap the failed one), so the URL does not flap.
+        newest = sorted(pods, key=lambda p: (p.created or EPOCH, p.name), reverse=True)
+        running = [p.ip for p in newest if p.ip and not p.finished]
+        downloading = job_name is not None and bool(running) and not (job is not None and job.complete)
+        url = endpoint_address(running[0], HYDRATION_PROGRESS_PORT) if downloading else None
+        progress = describe_progress(self._prober.follow_download(key, url))
         if job_name is None:
             return None
         source = spec.hugging_face
         described = f"{source.repo}@{hf_revision(spec)} into claim {source.cache_claim_name}"
-        job = self._hydration_job(key, job_name)
-        pods = [pod for pod in self._pods_of(key) if pod.hydration and not pod.terminating]
-        running = [p.ip for p in pods if p.ip and not p.finished]
-        progress = None
-        if running and not (job is not None and job.complete):
-            url = endpoint_address(running[0], HYDRATION_PROGRESS_PORT)
-            progress = describe_progress(await self._prober.hydration_progress(url))
         return hydration_state(described, job, pods, progress)
 
     def _hydration_job(self, key: TargetKey, name: str | None) -> JobView | None:
@@ -397,12 +382,12 @@ class Reconciler:
             (c.job for c in self._children.owned(key) if c.job is not None and c.job.name == name), None
         )
 
-    def _wake_at_startup_deadline(self, key: TargetKey, memory: _Memory, observation: Observation) -> None:
-        """StartupTimeout is the one verdict time alone changes: ask for a pass when the next one falls."""
+    def _next_startup_deadline(self, observation: Observation) -> float | None:
+        """StartupTimeout is the one verdict time alone changes: seconds until the next one falls (and a
+        second more, so the pass that runs then sees it fallen)."""
         spec = observation.spec
-        memory.cancel_wakeup()
         if spec is None or spec.external:
-            return
+            return None
         budget = timedelta(seconds=spec.startup_timeout_seconds)
         now = self._clock()
         deadlines = [
@@ -410,9 +395,7 @@ class Reconciler:
             for pod in observation.pods
             if pod.started is not None and not pod.ready and pod.started + budget > now
         ]
-        if deadlines:
-            delay = (min(deadlines) - now).total_seconds() + 1
-            memory.wakeup = asyncio.get_running_loop().call_later(delay, self.request, key)
+        return (min(deadlines) - now).total_seconds() + 1 if deadlines else None
 
     async def _announce(
         self, target: TargetRef, previous: Mapping[str, Any], status: Mapping[str, Any]
@@ -447,9 +430,8 @@ class Reconciler:
         return list(self._pods.get((namespace, selector_labels(name)[LABEL_INSTANCE])) or ())
 
     def _forget(self, key: TargetKey) -> None:
-        memory = self._memory.pop(key, None)
-        if memory is not None:
-            memory.cancel_timers()
+        self._memory.pop(key, None)
+        self._queue.forget(key)
         self._prober.forget(key)
         self._instances.pop((key[0], selector_labels(key[1])[LABEL_INSTANCE]), None)
         self._published.pop(key, None)

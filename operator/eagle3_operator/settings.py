@@ -8,7 +8,7 @@ import kopf
 from eagle3_target.protocol import FIELD_MANAGER, GROUP
 
 from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
-from eagle3_operator.render.server_image import DEFAULT_IMAGE
+from eagle3_operator.render.server_image import DEFAULT_IMAGES, ServerImages
 
 # Project-prefixed names, so kopf's markers (should any ever be written) are recognisably ours.
 PERSISTENCE_PREFIX = GROUP
@@ -22,7 +22,7 @@ NAMESPACE_PATTERN_CHARACTERS = frozenset("*?!,")
 @dataclass(frozen=True)
 class OperatorConfig:
     reprobe_seconds: float = 10.0  # how often each target-server endpoint is probed
-    server_image: str = DEFAULT_IMAGE  # what new targets without spec.image run
+    server_images: ServerImages = DEFAULT_IMAGES  # what new targets without spec.image run, per variant
     api_timeout_seconds: float = 15.0  # one API request, reconciler and kopf alike
     watch_timeout_seconds: int = 300  # a watch request is renewed at least this often (the API wants an int)
     # kopf's cluster scanning: watch Namespaces (to match patterns) and CRDs (to notice new kinds). Off for a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries from the pinned Go wrapper modules in tools/.
+# Builds the local control plane's binaries from the pinned Go wrapper modules in tools/, and kube-score.
 #
 # Each binary is stored once per content key (its module files + flags) in the user cache and linked into
 # .cache/bin/, so a pin change rebuilds only what changed and a fresh clone reuses earlier builds.
@@ -46,8 +46,29 @@ build() {
   for link in "$name" "$@"; do ln -sfn "$out" "$bin/$link"; done
 }
 
+# install NAME MODULE@VERSION: `go install` of a released command (its own go.sum pins its dependencies),
+# stored once per version and Go toolchain in the same store.
+install() {
+  local name=$1 module=$2 key
+  key=$(echo "$module -trimpath -s -w $(go env GOVERSION)" | sha256sum | cut -c1-12)
+  local out="$store/$name-$key"
+  if [ -x "$out" ]; then
+    echo "==> $name: cached ($out)"
+  else
+    echo "==> $name: building $module"
+    local start=$SECONDS gobin
+    gobin=$(mktemp -d)
+    GOBIN=$gobin go install -trimpath -ldflags "-s -w" "$module"
+    mv "$gobin/$name" "$out" && rmdir "$gobin"
+    echo "==> $name: built in $((SECONDS - start))s"
+  fi
+  ln -sfn "$out" "$bin/$name"
+}
+
 build etcd etcd go.etcd.io/etcd/server/v3 "-s -w"
 build kwok kwok sigs.k8s.io/kwok/cmd/kwok "-s -w"
 build helm helm helm.sh/helm/v3/cmd/helm "$helm_ldflags"
 build kube kube . "$kube_ldflags" kube-apiserver kube-controller-manager kube-scheduler kubectl
+# The manifest linter the chart and rendered-target tests run (tests/charts/test_kube_score.py).
+install kube-score github.com/zegl/kube-score/cmd/kube-score@v1.20.0
 echo "==> tools ready in $bin"

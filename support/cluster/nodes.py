@@ -5,6 +5,7 @@ so that a server bound on this machine answers at a pod's IP."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import kubernetes
 
@@ -15,7 +16,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node=fake"
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
-# A GPU node whose pods kwok does not run (kwok-stages.yaml's pod-ready stage skips it by this name): the
+# A GPU node whose pods kwok does not run (kwok-stages.yaml's pod stages skip it by this name): the
 # tests' kubelet (support/kubelet.py) runs their server processes and reports their states.
 # Tainted, so that only pods which tolerate the taint (and pick the node) land there.
 KUBELET_NODE = "gpu-kubelet"
@@ -62,6 +63,14 @@ def gpu_node(index: int, gpus: int = 8, name: str | None = None) -> dict[str, ob
         },
         "spec": {"podCIDR": gpu_node_pod_cidr(index), "podCIDRs": [gpu_node_pod_cidr(index)]},
         "status": {"capacity": resources, "allocatable": resources},
+    }
+
+
+def kubelet_placement() -> dict[str, Any]:
+    """The spec fields that put a target's pods (its download's too) on KUBELET_NODE."""
+    return {
+        "nodeSelector": {"kubernetes.io/hostname": KUBELET_NODE},
+        "tolerations": [{"operator": "Equal", **KUBELET_TAINT}],
     }
 
 

@@ -60,7 +60,8 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def kill_when_parent_dies() -> None:
-    """Runs in the child before exec: the kernel SIGKILLs it if the test process dies without cleaning up."""
+    """Runs in the child before exec: the kernel SIGKILLs it when the thread that started it ends
+    (PR_SET_PDEATHSIG follows the spawning thread, not the process), so surely when the test process dies."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 

@@ -23,7 +23,11 @@ BAD_VALUES = {
     "namespaces as a string": ({"watchNamespaces": "all"}, "at '/watchNamespaces': got string, want array"),
     "bad namespace name": ({"watchNamespaces": "{Team_A}"}, "'Team_A' does not match pattern"),
     "privileged port": ({"healthPort": "80"}, "at '/healthPort': minimum"),
-    "same two ports": ({"metrics.port": "8080"}, "healthPort and metrics.port must differ"),
+    "same two ports": ({"metrics.port": "8080"}, "healthPort, readinessPort and metrics.port must differ"),
+    "readiness on the health port": (
+        {"readinessPort": "8080"},
+        "healthPort, readinessPort and metrics.port must differ",
+    ),
     "pull policy": (
         {"image.pullPolicy": "Sometimes"},
         "value must be one of 'Always', 'IfNotPresent', 'Never'",

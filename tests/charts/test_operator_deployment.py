@@ -5,6 +5,7 @@ image, the metrics ServiceMonitor and the ServiceAccount it runs as."""
 import re
 
 import pytest
+from eagle3_operator.constants import MANAGED_LABELS
 
 from support.chart import VALUE_SETS, by_kind, cli_options, operator_container, render
 from support.cluster.access import REPO
@@ -20,6 +21,7 @@ def test_defaults_serve_every_namespace_with_one_elected_replica():
         "ClusterRoleBinding",
         "ClusterRoleBinding",
         "Deployment",
+        "NetworkPolicy",
         "Role",
         "RoleBinding",
         "Service",
@@ -52,9 +54,11 @@ def test_two_replicas_need_leader_election_and_without_it_one_is_recreated():
     assert not by_kind(single, "Role")
 
 
-def test_server_image_value_reaches_the_operator():
-    options = cli_options(operator_container(render({"serverImage": "mirror.local/e3t:0.1.0"}))["args"])
+def test_server_image_values_reach_the_operator():
+    values = {"serverImage": "mirror.local/e3t:0.1.0", "sglangServerImage": "mirror.local/e3t:0.1.0-sglang"}
+    options = cli_options(operator_container(render(values))["args"])
     assert options["server_image"] == "mirror.local/e3t:0.1.0"
+    assert options["sglang_server_image"] == "mirror.local/e3t:0.1.0-sglang"
 
 
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
@@ -97,7 +101,9 @@ def test_operator_image_matches_the_chart():
         str(p["containerPort"]) for p in operator_container(render({}))["ports"]
     )
     bases = re.findall(r"^FROM (\S+)", dockerfile, flags=re.MULTILINE)
-    assert bases and all(re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", base) for base in bases)
+    assert bases and set(bases) == {"${BASE}"}
+    (default,) = re.findall(r"^ARG BASE=(\S+)$", dockerfile, flags=re.MULTILINE)
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", default)
     assert '".[operator]"' in dockerfile
 
 
@@ -122,3 +128,36 @@ def test_existing_service_account_is_used_not_created():
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "existing-operator", "namespace": "eagle3-system"}
         ]
+
+
+def test_readiness_probe_asks_the_operators_readiness_endpoint():
+    container = operator_container(render({"readinessPort": "9100"}))
+    probe = container["readinessProbe"]["httpGet"]
+    (port,) = [p for p in container["ports"] if p["name"] == probe["port"]]
+    assert port["containerPort"] == 9100
+    assert cli_options(container["args"])["readiness"] == f"http://0.0.0.0:9100{probe['path']}"
+
+
+def test_network_policy_lets_the_operator_reach_only_the_api_server_and_its_pods():
+    (policy,) = by_kind(render({}), "NetworkPolicy")
+    (deployment,) = by_kind(render({}), "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["ingress"] == [{"ports": [{"port": "metrics", "protocol": "TCP"}]}]
+    api_server, managed = spec["egress"]
+    assert [p["port"] for p in api_server["ports"]] == [443, 6443] and "to" not in api_server
+    (peer,) = managed["to"]
+    assert peer["podSelector"]["matchLabels"] == dict(MANAGED_LABELS)
+    assert peer["namespaceSelector"] == {}  # every namespace, as the operator serves them all
+
+    narrowed = render(
+        {"watchNamespaces": "{team-a,team-b}", "networkPolicy.apiServer.cidrs": "{10.0.0.1/32}"}
+    )
+    (policy,) = by_kind(narrowed, "NetworkPolicy")
+    api_server, managed = policy["spec"]["egress"]
+    assert api_server["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    (expression,) = managed["to"][0]["namespaceSelector"]["matchExpressions"]
+    assert expression["values"] == ["team-a", "team-b"]
+    assert not by_kind(render({"networkPolicy.enabled": "false"}), "NetworkPolicy")

@@ -17,6 +17,7 @@ import kubernetes
 import pytest
 from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
+from support.cluster import nodes
 from support.cluster.access import Cluster
 from support.cluster.waiting import eventually, free_port
 from support.operator_process import OperatorProcess
@@ -93,3 +94,16 @@ def targets(cluster: Cluster, op_namespace: str) -> Targets:
 def pod_serving(targets: Targets, servers: ServerFarm) -> Iterator[PodServing]:
     with PodServing(targets.core, targets.namespace, servers) as serving:
         yield serving
+
+
+@pytest.fixture(scope="module")
+def kubelet_node(cluster: Cluster) -> str:
+    """The node whose pods the test kubelet (or a test playing it) runs, registered once per session."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    try:
+        core.create_node(nodes.kubelet_node())
+    except kubernetes.client.ApiException as error:
+        if error.status != 409:  # already registered by an earlier module of this session
+            raise
+    eventually(lambda: nodes.all_schedulable(cluster.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
+    return nodes.KUBELET_NODE

@@ -161,18 +161,16 @@ def test_model_identity_keeps_only_the_model_deciding_flags():
     assert model_identity(server_args(SPEC.model_copy(update={"port": 9000}))) == identity
 
 
-def test_a_refusal_is_held_until_its_own_retry_is_due_and_no_longer():
-    """The hold ends when the timer armed with the refusal fires, whatever any clock says: a pass that
-    arrives first reports the refusal, the retry's pass applies again; an older timer ends no newer hold."""
+def test_a_refusal_is_held_until_its_retry_is_due_and_no_longer():
+    """A pass before the retry is due reports the refusal again; a changed rendering is applied at once; the
+    hold ends at its own deadline, on the clock the pass that asked for the retry compares with."""
     writes = ChildWrites()
     first = Failure("QuotaExceeded", "exceeded quota: gpus")
-    writes.refuse(("a", "b"), first)
-    assert writes.still_refused(("a", "b")) is first
-    assert writes.still_refused(("a", "c")) is None  # a changed rendering is applied at once
+    writes.refuse(("a", "b"), first, retry_at=10.0)
+    assert writes.still_refused(("a", "b"), 9.5) == (first, 10.0)
+    assert writes.still_refused(("a", "c"), 9.5) is None  # a changed rendering is applied at once
+    assert writes.still_refused(("a", "b"), 10.0) is None  # due: the next pass applies again
 
     second = Failure("QuotaExceeded", "exceeded quota: gpus")
-    writes.refuse(("a", "c"), second)
-    writes.retry_due(first)  # the first refusal's timer: the second one still waits for its own
-    assert writes.still_refused(("a", "c")) is second
-    writes.retry_due(second)
-    assert writes.still_refused(("a", "c")) is None
+    writes.refuse(("a", "c"), second, retry_at=30.0)  # refused again: a newer hold, a longer backoff
+    assert writes.still_refused(("a", "c"), 12.0) == (second, 30.0)

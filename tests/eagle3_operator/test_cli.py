@@ -22,6 +22,7 @@ def test_help_names_the_operational_flags():
         "--namespace",
         "--all-namespaces",
         "--liveness",
+        "--readiness",
         "--metrics-port",
         "--operator-namespace",
         "--prometheus-namespace",

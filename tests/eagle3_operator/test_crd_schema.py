@@ -126,10 +126,14 @@ BAD_SPECS = {
         "exactly one of pvc, hostPath, huggingFace must be set",
     ),
     "source and endpoint": (with_model(PVC, endpoint={"url": "http://x:1"}), "are mutually exclusive"),
-    "unknown engine": (with_model(PVC, engine="trt"), 'supported values: "vllm", "hf"'),
+    "unknown engine": (with_model(PVC, engine="trt"), 'supported values: "vllm", "sglang", "hf"'),
     "two aux layers": (with_model(PVC, auxLayerIds=[1, 2]), "spec.auxLayerIds: Invalid value"),
     "repeated aux layer": (with_model(PVC, auxLayerIds=[1, 1, 2]), "auxLayerIds must be 3 distinct"),
-    "vllm without gpus": (with_model(PVC, tensorParallelSize=0), "engine vllm needs GPUs"),
+    "vllm without gpus": (with_model(PVC, tensorParallelSize=0), "engines vllm and sglang need GPUs"),
+    "sglang without gpus": (
+        with_model(PVC, engine="sglang", tensorParallelSize=0),
+        "engines vllm and sglang need GPUs",
+    ),
     "privileged port": (with_model(PVC, port=80), "spec.port: Invalid value: 80"),
     "tiny startup budget": (with_model(PVC, startupTimeoutSeconds=1), "spec.startupTimeoutSeconds"),
     "negative replicas": (with_model(PVC, replicas=-1), "spec.replicas"),
@@ -180,7 +184,7 @@ BAD_SPECS = {
     ),
     "operator volume": (
         with_model(PVC, volumes=[{"name": "dshm", "emptyDir": {}}]),
-        "volumes must not be named model, dshm or auth",
+        "volumes must not be named model, dshm, auth or scratch",
     ),
     "repeated volume": (
         with_model(PVC, volumes=[{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]),

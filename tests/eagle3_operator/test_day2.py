@@ -6,6 +6,7 @@ One operator process serves the module (only this module's namespaces); each tes
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from eagle3_target.client import ResolveTimeout, resolve
 
 from support.cluster.waiting import eventually, free_port
+from support.operator_process import OperatorProcess
 from support.server_farm import PodServing
 from support.targets import Targets, condition, target_manifest
 
@@ -62,7 +64,9 @@ def test_removed_spec_fields_are_removed_from_the_deployment(targets: Targets, c
 
         pod = eventually(trimmed, "the removed fields pruned from the Deployment").spec.template.spec
         resources = pod.containers[0].resources
-        assert resources.requests == {"memory": "1Gi"} and not resources.limits  # no GPU, no memory limit
+        # No GPU, no CPU request, no memory limit; the scratch space keeps its default bounds.
+        assert {k: v for k, v in resources.requests.items() if k != "ephemeral-storage"} == {"memory": "1Gi"}
+        assert set(resources.limits or {}) == {"ephemeral-storage"}
         status = eventually(
             lambda: (s := targets.get("trim")["status"]).get("observedGeneration") == generation and s,
             "the change observed",
@@ -134,9 +138,22 @@ def test_finished_pods_are_neither_endpoints_nor_held_against_ready(
     assert targets.ready_status("evicted", replicas=1) is not None
 
 
-def test_refused_writes_are_reported_with_reason_message_and_one_event(targets: Targets, cluster):
+def attempts_seen(operator: OperatorProcess, line: str, count: int, timeout: float) -> list[float]:
+    """When (monotonic) each of the operator's first `count` log lines containing `line` appeared."""
+    seen: list[float] = []
+    deadline = time.monotonic() + timeout
+    while len(seen) < count and time.monotonic() < deadline:
+        seen += [time.monotonic()] * (operator.log().count(line) - len(seen))
+        time.sleep(0.05)
+    return seen
+
+
+def test_refused_writes_are_reported_with_reason_message_and_one_event(
+    targets: Targets, cluster, operator: OperatorProcess
+):
     """A ResourceQuota (403 'exceeded quota') and an admission policy (422 'denied request') each become a
-    condition with the API server's words and one Warning event; once lifted, the target converges."""
+    condition with the API server's words and one Warning event; a refused apply is tried again when its
+    backoff is over, not before and not never; once lifted, the target converges."""
     quota = {
         "metadata": {"name": "no-deployments"},
         "spec": {"hard": {"count/deployments.apps": "0"}},
@@ -147,6 +164,14 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(targets: 
         "the quota's status",
     )
     targets.create(target_manifest("quota", free_port()))
+    refused = f"{targets.namespace}/quota: the API server rejected a child (HTTP 403)"
+    attempts = attempts_seen(operator, refused, 3, timeout=30)
+    assert len(attempts) == 3, operator.log()[-2000:]
+    # Backoff 1 s, then 2 s (the log line says which wait comes next); a lost retry would never come.
+    assert "trying again in 1s" in operator.log() and "trying again in 2s" in operator.log()
+    for (earlier, later), wait in zip(itertools.pairwise(attempts), (1, 2), strict=True):
+        gap = later - earlier
+        assert wait - 0.2 <= gap <= wait + 3, (attempts, wait)
     status = eventually(lambda: reason(targets, "quota", "QuotaExceeded"), "QuotaExceeded in status")
     assert "exceeded quota" in condition(status, "Ready")["message"]
     assert (condition(status, "Degraded")["status"], status["phase"]) == ("True", "Failed")
@@ -235,6 +260,17 @@ def test_a_name_taken_by_someone_else_is_never_taken_over(targets: Targets):
         timeout=120,
     )
     assert owned.metadata.owner_references[0].kind == "Eagle3Target"
+
+    # Someone replaces the target's own Service with theirs (no owner reference): an object this process
+    # applied before is not thereby its own; it is left alone and reported, never taken back.
+    replaced = targets.core.read_namespaced_service("taken", targets.namespace)
+    replaced.metadata.owner_references = None
+    replaced.metadata.labels = {"team": "web"}
+    targets.core.replace_namespaced_service("taken", targets.namespace, replaced)
+    eventually(lambda: reason(targets, "taken", "NameConflict"), "NameConflict for the replaced Service")
+    time.sleep(2)  # retries come and go: still theirs
+    service = targets.service("taken")
+    assert not service.metadata.owner_references and service.metadata.labels == {"team": "web"}
 
 
 def test_scale_up_keeps_the_target_available_and_restarts_no_pod(targets: Targets, pod_serving: PodServing):

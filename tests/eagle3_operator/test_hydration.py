@@ -1,17 +1,25 @@
 """A Hugging Face source against the real control plane: one download Job for all replicas, which wait
-for it; a download that cannot succeed fails the target with its reason; a new download leaves the
-previous one serving until it completes.
+for it; a download that cannot succeed fails the target with its reason; a running download's progress
+moves in status; a new download leaves the previous one serving until it completes.
 
 One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import kubernetes
 import pytest
+from eagle3_operator.constants import HYDRATION_PROGRESS_PORT
+from eagle3_target.protocol import HydrationProgress
 
+from support.cluster import nodes
 from support.cluster.waiting import eventually, free_port
 from support.targets import Targets, condition, target_manifest
 
@@ -172,3 +180,91 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
     finally:
         for volume in volumes:
             targets.core.delete_persistent_volume(volume)
+
+
+@contextlib.contextmanager
+def progress_endpoint(ip: str, files_total: int) -> Iterator[list[int]]:
+    """Answers at ip:HYDRATION_PROGRESS_PORT as a running `eagle3-target hydrate` does, one more file done
+    at each answer; yields the list of files done it answered with."""
+    answered: list[int] = []
+
+    class Progress(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            answered.append(min(len(answered) + 1, files_total))
+            done = answered[-1]
+            body = HydrationProgress(
+                files_done=done,
+                files_total=files_total,
+                bytes_done=done * 10**9,
+                bytes_total=files_total * 10**9,
+            ).model_dump_json(by_alias=True)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer((ip, HYDRATION_PROGRESS_PORT), Progress)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield answered
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_running_downloads_progress_moves_in_status(targets: Targets, kubelet_node: str):
+    """The download pod lands on the test kubelet's node, where the test plays its kubelet: it reports the
+    pod Running at an IP where a progress endpoint answers, further along at every answer. The operator
+    polls it while the download runs (no pass fetches it) and the target's status follows."""
+    volume = bind_claim(targets, "progress-cache")
+    try:
+        targets.create(hub_target("progress", "progress-cache", **nodes.kubelet_placement()))
+        (pod,) = eventually(
+            lambda: [p for p in hydration_pods(targets) if p.spec.node_name == kubelet_node] or None,
+            "the download pod on the test node",
+        )
+        ip = str(list(ipaddress.ip_network(nodes.gpu_node_pod_cidr(nodes.KUBELET_NODE_INDEX)).hosts())[-1])
+        with progress_endpoint(ip, files_total=40) as answered:
+            running = {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "containerStatuses": [
+                    {
+                        "name": pod.spec.containers[0].name,
+                        "image": pod.spec.containers[0].image,
+                        "imageID": "",
+                        "ready": True,
+                        "restartCount": 0,
+                        "state": {"running": {}},
+                    }
+                ],
+            }
+            targets.core.patch_namespaced_pod_status(
+                pod.metadata.name, targets.namespace, {"status": running}
+            )
+
+            def shown() -> tuple[dict, int] | None:
+                """The status and the files done it shows, when it shows what the endpoint answered."""
+                status = (targets.get("progress") or {}).get("status") or {}
+                message = condition(status, "Ready").get("message", "")
+                done = [n for n in set(answered) if f": {n}/40 files" in message]
+                return (status, done[0]) if done else None
+
+            first, done = eventually(shown, "the download's progress in status")
+            ready = condition(first, "Ready")
+            assert ready["reason"] == "Downloading"
+            assert ready["message"].startswith("downloading org/tiny-llama@main into claim progress-cache: ")
+            assert f"{done}/40 files, {done:.1f} of 40.0 GB" in ready["message"]
+            later, moved = eventually(
+                lambda: (seen := shown()) and seen[1] > done and seen, "progress moving on"
+            )
+            assert f": {moved}/40 files" in condition(later, "Ready")["message"]
+            # Still downloading: the same condition, only its message moved.
+            assert condition(later, "Ready")["lastTransitionTime"] == ready["lastTransitionTime"]
+    finally:
+        targets.core.delete_persistent_volume(volume)

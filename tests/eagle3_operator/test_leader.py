@@ -1,6 +1,7 @@
-"""Leader election on the real API server's Leases, in the shape of client-go's RunOrDie: the work runs only
-while the Lease is renewed, any end of renewing (an arbitrary exception included) stops it before another
-replica can lead, and a clean stop stops renewing, then releases, so the standby leads at its next retry.
+"""Leader election on the real API server's Leases, in the shape of client-go's RunOrDie: acting starts only
+once the Lease is held, any end of renewing or of waiting for it (an arbitrary exception included) stops it
+before another replica can lead, and a clean stop (cancelling) stops renewing, then releases, so the
+standby leads at its next retry.
 
 Electors run in this process with short periods (lease 3 s, renew deadline 2 s, retry 0.3 s) and their own
 API connections to the test control plane.
@@ -40,10 +41,6 @@ def elector(api: KubeApi, namespace: str, identity: str) -> LeaderElector:
     )
 
 
-async def forever() -> None:
-    await asyncio.Event().wait()
-
-
 def test_any_exception_in_renewing_stops_the_work_before_another_replica_leads(
     cluster, namespace, monkeypatch
 ):
@@ -51,9 +48,7 @@ def test_any_exception_in_renewing_stops_the_work_before_another_replica_leads(
         async with connection(cluster, monkeypatch) as api_a, connection(cluster, monkeypatch) as api_b:
             a, b = elector(api_a, namespace, "a"), elector(api_b, namespace, "b")
             stopped: list[float] = []
-            running = asyncio.create_task(
-                a.run(forever, lambda: (stopped.append(time.monotonic()), running.cancel()))
-            )
+            running = asyncio.create_task(a.run(lambda: None, lambda: stopped.append(time.monotonic())))
             while not a.leading:
                 await asyncio.sleep(0.05)
 
@@ -63,8 +58,7 @@ def test_any_exception_in_renewing_stops_the_work_before_another_replica_leads(
             api_a.get_lease = not_json  # type: ignore[method-assign]
             await b.acquire()
             led = time.monotonic()
-            with pytest.raises(asyncio.CancelledError):
-                await running
+            await running  # ended by the error, not by a cancel
             lease = await api_b.get_lease(namespace, "e3")
             assert lease is not None
             return stopped[0], led, lease["spec"]["holderIdentity"]
@@ -79,18 +73,17 @@ def test_a_clean_stop_releases_and_the_standby_leads_at_its_next_retry(cluster, 
             a, b = elector(api_a, namespace, "a"), elector(api_b, namespace, "b")
             leading = asyncio.Event()
 
-            async def work() -> None:
-                leading.set()
-                await asyncio.sleep(4 * RETRY)  # a few renewals, then the work ends (a signal, say)
-
             def never() -> None:
-                raise AssertionError("renewing ended while the work ran")
+                raise AssertionError("renewing ended by itself")
 
-            running = asyncio.create_task(a.run(work, never))
+            running = asyncio.create_task(a.run(leading.set, never))
             await leading.wait()
             first = await api_a.get_lease(namespace, "e3")
             standby = asyncio.create_task(b.acquire())
-            await running
+            await asyncio.sleep(4 * RETRY)  # a few renewals, then a clean stop (a signal, say)
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
             released = time.monotonic()
             await standby
             took = time.monotonic() - released
@@ -121,3 +114,26 @@ def test_a_timed_out_attempt_says_so(cluster, namespace, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="eagle3_operator.leader"):
         assert asyncio.run(scenario()) is False
     assert "leader election: the API server did not answer in time" in caplog.text
+
+
+def test_an_error_while_waiting_for_the_lease_stops_the_replica_before_it_acts(
+    cluster, namespace, monkeypatch
+):
+    """A standby whose wait for the Lease fails in an unexpected way must not start acting: it stops (the
+    operator exits and restarts as a standby), and `on_started_leading` is never called."""
+
+    async def scenario() -> tuple[list[str], bool]:
+        async with connection(cluster, monkeypatch) as api_a, connection(cluster, monkeypatch) as api_b:
+            a, b = elector(api_a, namespace, "a"), elector(api_b, namespace, "b")
+            await a.acquire()
+            calls: list[str] = []
+
+            async def not_json(namespace: str, name: str) -> dict:
+                raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+            api_b.get_lease = not_json  # type: ignore[method-assign]
+            await b.run(lambda: calls.append("started"), lambda: calls.append("stopped"))
+            return calls, b.leading
+
+    calls, leading = asyncio.run(scenario())
+    assert calls == ["stopped"] and not leading

@@ -1,6 +1,6 @@
 """A managed target's life against the real control plane: Ready, idle, scaled, rolled out, suspended,
 an operator killed mid-rollout, deleted without waiting, a restart its users never see; and an external
-endpoint probed and published.
+endpoint probed and published, also among a hundred external endpoints that trickle their answers.
 
 One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
@@ -11,11 +11,13 @@ import time
 from typing import Any
 
 import pytest
+from eagle3_operator.probe import NO_TARGET_SERVER, PROBE_DEADLINE_S
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 
 from support.cluster import nodes
 from support.cluster.access import Cluster
 from support.cluster.waiting import eventually, free_port
+from support.hostile_endpoints import TRICKLE, HostileEndpoint
 from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
 from support.targets import Targets, condition, target_manifest
@@ -259,3 +261,33 @@ def test_external_endpoint_is_probed_and_published(targets: Targets, servers: Se
     assert condition(status, "Ready")["status"] == "False"
     assert status["endpoints"] == [{"address": dead, "ready": False}]
     assert "model" not in status
+
+
+def external_target(name: str, url: str) -> dict[str, Any]:
+    manifest = target_manifest(name, 8000)
+    manifest["spec"] = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
+    return manifest
+
+
+def test_a_hundred_trickling_external_endpoints_leave_a_new_target_ready_at_once(
+    targets: Targets, servers: ServerFarm
+):
+    """Anyone who may create a target can point it at an endpoint that answers a byte a second. A hundred
+    of them cost their own targets only: each reads "no target server answers there", and a healthy
+    target created among them is Ready well before one probe deadline (it never waits behind them)."""
+    with HostileEndpoint(TRICKLE, pause=1.0) as trickling:
+        names = [f"trickle-{i}" for i in range(100)]
+        for i, name in enumerate(names):
+            targets.create(external_target(name, f"{trickling}/{i}"))
+
+        def all_stalled() -> bool:
+            listed = targets.custom.list_namespaced_custom_object(GROUP, VERSION, targets.namespace, PLURAL)
+            messages = [condition(t.get("status") or {}, "Ready").get("message", "") for t in listed["items"]]
+            return len(messages) == len(names) and all(NO_TARGET_SERVER in m for m in messages)
+
+        eventually(all_stalled, "every trickling target's verdict", timeout=120)
+        created = time.monotonic()
+        targets.create(external_target("healthy", f"http://{servers.primary[0]}:{servers.primary[1]}"))
+        eventually(lambda: targets.ready_status("healthy"), "the healthy target Ready")
+        assert time.monotonic() - created < PROBE_DEADLINE_S
+        assert NO_TARGET_SERVER in condition(targets.get("trickle-0")["status"], "Degraded")["message"]

@@ -3,8 +3,9 @@ raise, a hung or trickling server costs one deadline and blocks nobody else, bod
 endpoint flips to not ready only after consecutive failures, and an external endpoint's status tells only
 whether a target server answers there.
 
-The servers are the target server's own app with a tiny model (ServerFarm) and raw asyncio sockets that
-accept connections and never answer, trickle an answer a byte at a time, or answer with a huge body.
+The servers are the target server's own app with a tiny model (ServerFarm) and raw sockets that accept
+connections and never answer, trickle an answer a byte at a time, or answer with a huge body
+(support.hostile_endpoints).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,6 +25,7 @@ from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 
 from support.cluster.waiting import LOOPBACK, eventually, free_port
+from support.hostile_endpoints import TRICKLE, HostileEndpoint
 from support.server_farm import ServerFarm
 from support.server_process import AUTH_TOKEN, serve_in_thread
 
@@ -41,61 +42,6 @@ async def check(url: str) -> ProbeResult:
         return await prober.check(url)
     finally:
         await prober.close()
-
-
-@asynccontextmanager
-async def raw_server(answer: bytes, pause: float = 0.0) -> AsyncIterator[str]:
-    """Answers every request with `answer`, a byte every `pause` seconds when `pause` is set."""
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        try:
-            if not pause:
-                writer.write(answer)
-                await writer.drain()
-            for byte in answer if pause else b"":
-                writer.write(bytes([byte]))
-                await writer.drain()
-                await asyncio.sleep(pause)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.create_task(send(reader, writer))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    server = await asyncio.start_server(accept, LOOPBACK, 0)
-    try:
-        yield f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
-    finally:
-        for task in list(tasks):
-            task.cancel()
-        server.close()
-
-
-TRICKLE = b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"x" * 4096
-
-
-@asynccontextmanager
-async def hung_server() -> AsyncIterator[str]:
-    """Accepts connections, reads, never answers: a server wedged in a long forward pass."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-        await reader.read(65536)
-
-    server = await asyncio.start_server(accept, LOOPBACK, 0)
-    try:
-        yield f"http://{LOOPBACK}:{server.sockets[0].getsockname()[1]}"
-    finally:
-        for writer in held:
-            writer.close()
-        server.close()
 
 
 def test_ready_server_reports_its_model(servers: ServerFarm):
@@ -168,6 +114,42 @@ def test_a_running_download_reports_its_progress_and_silence_is_not_an_error(tmp
     assert asyncio.run(read(f"http://{LOOPBACK}:{free_port()}")) is None
 
 
+def test_a_followed_download_is_awaited_then_kept_while_silent_and_dropped_when_gone(tmp_path):
+    """Until its first poll ends a download's progress is unknown (awaited), then it is what the pod last
+    said, also once it falls silent; a pass is asked for at the first poll and when it moves."""
+    tracker = ProgressTracker(tmp_path)
+    tracker.plan([("model.safetensors", 2000), ("config.json", 5)])
+    (tmp_path / "config.json").write_bytes(b"{}   ")
+    server = serve_progress(tracker, port := free_port())
+    url = f"http://{LOOPBACK}:{port}"
+
+    async def scenario() -> None:
+        asked: list[str] = []
+        prober: Prober[str] = Prober(asked.append, interval=0.1)
+        try:
+            assert prober.follow_download("t", url) is None and prober.awaiting_download("t")
+            await eventually_async(lambda: asked)
+            assert not prober.awaiting_download("t")
+            done = HydrationProgress(files_done=1, files_total=2, bytes_done=5, bytes_total=2005)
+            assert prober.follow_download("t", url) == done
+            server.shutdown()
+            server.server_close()
+            await asyncio.sleep(0.5)  # several silent polls
+            assert prober.follow_download("t", url) == done
+            assert prober.follow_download("t", None) is None and not prober.awaiting_download("t")
+        finally:
+            await prober.close()
+
+    asyncio.run(scenario())
+
+
+async def eventually_async(check: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+
+
 def test_bad_addresses_are_reported_not_raised():
     """An unbracketed IPv6 address is an invalid URL to httpx (not an HTTPError); it must not escape."""
     for url in ("http://fd00::5:8000", "http://[fd00::5]:99999", "ftp://127.0.0.1:1"):
@@ -179,7 +161,7 @@ def test_hung_server_costs_one_timeout_and_blocks_no_other_probe(servers: Server
     async def scenario() -> tuple[ProbeResult, ProbeResult, float, float]:
         prober: Prober[str] = Prober(lambda key: None, interval=60, timeout=FAST, limit=4)
         try:
-            async with hung_server() as hung:
+            with HostileEndpoint() as hung:
                 began = time.monotonic()
                 stuck = asyncio.create_task(prober.check(hung))
                 healthy = await prober.check(url_of(servers))
@@ -233,7 +215,7 @@ def test_many_hung_servers_leave_healthy_ones_ready(servers: ServerFarm):
     async def scenario() -> float:
         prober: Prober[str] = Prober(lambda key: None, interval=0.2, timeout=FAST, limit=8)
         try:
-            async with hung_server() as hung:
+            with HostileEndpoint() as hung:
                 prober.watch("hung", {f"pod-{i}": f"{hung}/{i}" for i in range(40)})
                 began = time.monotonic()
                 while not prober.watch("ok", {"pod": url_of(servers)})["pod"].ready:
@@ -252,15 +234,15 @@ def test_a_trickling_server_costs_one_deadline_and_a_huge_body_is_not_read():
         huge = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n" % (4 * MAX_PROBE_BODY)
         try:
             # Each byte comes within the read timeout, so only the total deadline ends the probe.
-            async with (
-                raw_server(TRICKLE, pause=0.1) as trickling,
-                raw_server(huge + b"{" * 4 * MAX_PROBE_BODY) as big,
+            with (
+                HostileEndpoint(TRICKLE, pause=0.1) as trickling,
+                HostileEndpoint(huge + b"{" * 4 * MAX_PROBE_BODY) as big,
             ):
                 began = time.monotonic()
                 slow = await prober.check(trickling)
                 took = time.monotonic() - began
                 headers = TRICKLE.split(b"\r\n\r\n")[0]
-                async with raw_server(headers + b"\r\n\r\n", pause=0.1) as trickled_headers:
+                with HostileEndpoint(headers + b"\r\n\r\n", pause=0.1) as trickled_headers:
                     return slow, took, await prober.check(trickled_headers), await prober.check(big)
         finally:
             await prober.close()
@@ -281,7 +263,7 @@ def test_a_hundred_trickling_endpoints_leave_a_new_healthy_one_its_first_verdict
     async def scenario() -> float:
         prober: Prober[str] = Prober(lambda key: None, interval=period, timeout=FAST, deadline=0.5, limit=8)
         try:
-            async with raw_server(TRICKLE, pause=0.1) as trickling:
+            with HostileEndpoint(TRICKLE, pause=0.1) as trickling:
                 prober.watch("hostile", {f"e{i}": f"{trickling}/{i}" for i in range(100)})
                 stalled = prober._endpoints["hostile"].values()
                 began = time.monotonic()
@@ -307,7 +289,7 @@ def test_an_external_endpoint_tells_only_whether_a_target_server_answers(servers
     async def scenario() -> dict[str, ProbeResult]:
         prober: Prober[str] = Prober(lambda key: None, interval=0.1, timeout=FAST, deadline=0.5)
         try:
-            async with raw_server(not_found) as web, hung_server() as hung:
+            with HostileEndpoint(not_found) as web, HostileEndpoint() as hung:
                 addresses = {
                     "closed": f"http://{LOOPBACK}:{free_port()}",
                     "web": web,

@@ -111,8 +111,8 @@ def _shape_and_unshape(targets: Targets) -> None:
 
     deployment = eventually(lambda: targets.deployment("shaped"), "the Deployment")
     shaped = _shaped(deployment.spec.template)
-    assert shaped["env"] == ["HF_HUB_OFFLINE", "NCCL_DEBUG", "POD"]
-    assert shaped["volumes"] == ["model", "dshm", "compile-cache"]
+    assert shaped["env"] == ["HF_HUB_OFFLINE", "HOME", "TMPDIR", "NCCL_DEBUG", "POD"]
+    assert shaped["volumes"] == ["model", "dshm", "scratch", "compile-cache"]
     assert "/cache" in shaped["mounts"]
     assert shaped["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"
     assert shaped["labels"]["app.kubernetes.io/instance"] == "shaped"
@@ -132,8 +132,8 @@ def _shape_and_unshape(targets: Targets) -> None:
         return _shaped(template) if "kueue.x-k8s.io/queue-name" not in template.metadata.labels else None
 
     shaped = eventually(plain, "the pod settings gone from the template")
-    assert shaped["env"] == ["HF_HUB_OFFLINE"]
-    assert shaped["volumes"] == ["model", "dshm"]
+    assert shaped["env"] == ["HF_HUB_OFFLINE", "HOME", "TMPDIR"]
+    assert shaped["volumes"] == ["model", "dshm", "scratch"]
     assert "/cache" not in shaped["mounts"]
     assert "team" not in shaped["annotations"]
     assert (shaped["runtimeClassName"], shaped["serviceAccountName"]) == (None, None)

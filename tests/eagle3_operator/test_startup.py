@@ -36,18 +36,6 @@ REPORT_SECONDS = 60  # the issue's promise: the server's reason is in the target
 VLLM_READY_SECONDS = 300  # a vLLM engine's start on a loaded two-core machine, with room
 
 
-@pytest.fixture(scope="module")
-def kubelet_node(cluster: Cluster) -> str:
-    core = kubernetes.client.CoreV1Api(cluster.api_client)
-    try:
-        core.create_node(nodes.kubelet_node())
-    except kubernetes.client.ApiException as error:
-        if error.status != 409:  # already registered by an earlier module of this session
-            raise
-    eventually(lambda: nodes.all_schedulable(cluster.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
-    return nodes.KUBELET_NODE
-
-
 @pytest.fixture
 def kubelet(cluster: Cluster, kubelet_node: str, op_namespace: str, tmp_path: Path) -> Iterator[Kubelet]:
     runner = Kubelet(kubernetes.client.CoreV1Api(cluster.api_client), op_namespace, tmp_path)
@@ -59,7 +47,6 @@ def kubelet(cluster: Cluster, kubelet_node: str, op_namespace: str, tmp_path: Pa
 
 def on_kubelet(name: str, model_dir: Path, **spec: Any) -> dict[str, Any]:
     """A target whose one pod the test kubelet runs, serving `model_dir` (a hostPath) with the hf engine."""
-    toleration = {"operator": "Equal", **nodes.KUBELET_TAINT}
     return {
         "apiVersion": API_VERSION,
         "kind": "Eagle3Target",
@@ -70,8 +57,7 @@ def on_kubelet(name: str, model_dir: Path, **spec: Any) -> dict[str, Any]:
             "tensorParallelSize": 1,
             "replicas": 1,
             "port": 18000,
-            "nodeSelector": {"kubernetes.io/hostname": nodes.KUBELET_NODE},
-            "tolerations": [toleration],
+            **nodes.kubelet_placement(),
         }
         | spec,
     }

@@ -38,12 +38,12 @@ def test_server_settings_take_the_registered_engines():
     for engine in ENGINES:
         assert ServerSettings(model="/m", engine=engine).engine == engine
     with pytest.raises(ValueError, match="engine must be one of"):
-        ServerSettings(model="/m", engine="sglang")
+        ServerSettings(model="/m", engine="trt")
 
 
 def test_an_unknown_engine_is_refused_before_loading():
-    with pytest.raises(ModelRefused, match="unknown engine 'sglang'"):
-        check_engine_args("sglang", {})
+    with pytest.raises(ModelRefused, match="unknown engine 'trt'"):
+        check_engine_args("trt", {})
     with pytest.raises(ModelRefused, match="takes no engine arguments"):
         check_engine_args("hf", {"enforce_eager": True})
 

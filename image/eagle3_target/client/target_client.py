@@ -23,13 +23,14 @@ from torch import Tensor
 
 from eagle3_target.client.endpoints import EndpointPool
 from eagle3_target.client.errors import FingerprintChanged, RequestRejected, ResolveError, TargetUnavailable
+from eagle3_target.client.identity import client_id
 from eagle3_target.client.prefetch import prefetch
 from eagle3_target.client.resolve import ResolvedTarget, follow_resource
 from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.client.transport import Reply, Transport, TransportError
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
-from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
+from eagle3_target.protocol import CLIENT_HEADER, FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
 from eagle3_target.wire import WireFormatError
 from eagle3_target.wire.tensors import decode, encode
 
@@ -72,7 +73,7 @@ class TargetClient:
         else:
             urls = [target] if isinstance(target, str) else target
         self.pool = EndpointPool(urls, backoff_initial_s, backoff_max_s)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {CLIENT_HEADER: client_id()} | ({"Authorization": f"Bearer {token}"} if token else {})
         # The endpoints are in-cluster peers, reached directly (never through an ambient proxy).
         self._transport = Transport(headers, timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 10.0))
         self.max_attempts = max_attempts

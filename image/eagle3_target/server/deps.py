@@ -1,4 +1,5 @@
-"""What routes ask FastAPI for: the server's state, and the loaded target (503 until the model is loaded)."""
+"""What routes ask FastAPI for: the server's state, the loaded target (503 until the model is loaded), and
+for data routes, the count of the request in the server's activity (activity.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from eagle3_target.server.activity import client_of
 from eagle3_target.server.state import ServerState
 from eagle3_target.server.target import LoadedTarget
 
@@ -23,3 +25,12 @@ async def loaded_target(state: StateDep) -> LoadedTarget:
 
 
 TargetDep = Annotated[LoadedTarget, Depends(loaded_target)]
+
+
+async def counted(request: Request, state: StateDep) -> None:
+    """A data request: counted for its client (what tells a used target from an idle one)."""
+    state.activity.record(client_of(request.headers, request.client.host if request.client else None))
+
+
+# For the routes whose requests are data requests (dependencies=[Counted]).
+Counted = Depends(counted)

@@ -42,7 +42,7 @@ class ServerSettings(BaseSettings):
     aux_layer_ids: Annotated[tuple[int, int, int] | None, NoDecode] = Field(
         None, description="Three HF aux layer ids; default [1, L//2-1, L-4]."
     )
-    tensor_parallel_size: int = Field(1, description="GPUs per replica (sharded engines: vllm).")
+    tensor_parallel_size: int = Field(1, description="GPUs per replica (sharded engines: vllm, sglang).")
     max_model_len: int | None = Field(None, description="Longest accepted sequence.")
     engine_args: Annotated[dict[str, object], NoDecode] = Field(
         default_factory=dict,

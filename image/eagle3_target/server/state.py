@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import LoadPhase
 from eagle3_target.runners import InvalidInput, ModelRefused
+from eagle3_target.server.activity import ActivityLog
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, Tensors
 from eagle3_target.server.errors import NotReady, TooManyRequests, Unprocessable
 from eagle3_target.server.loading import LoadFailed, LoadTracker, failure_line, write_termination_message
@@ -25,11 +26,13 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """Settings, metrics, the engine worker, the stored vocab mappings and (once loaded) the target."""
+    """Settings, metrics, the engine worker, the stored vocab mappings, who pulls (activity) and (once
+    loaded) the target."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.metrics = ServerMetrics()
+        self.activity = ActivityLog()
         self.worker = EngineWorker(
             max_queue=settings.max_queue, max_batch_tokens=settings.max_batch_tokens, metrics=self.metrics
         )

@@ -6,6 +6,7 @@ from typing import Any
 
 from eagle3_operator.constants import (
     ANNOTATION_SERVER_IMAGE,
+    ANNOTATION_SERVER_IMAGE_VARIANT,
     ANNOTATION_UPGRADE,
     AUTH_MOUNT,
     DEFAULT_CONTAINER_ANNOTATION,
@@ -16,13 +17,24 @@ from eagle3_operator.render.hydration import wait_container
 from eagle3_operator.render.model_source import model_volume
 from eagle3_operator.render.names import child_labels, child_metadata, child_name, selector_labels
 from eagle3_operator.render.network import METRICS_PORT_NAME, PORT_NAME
-from eagle3_operator.render.pod_parts import container_security, placement_and_pulls, pod_security
+from eagle3_operator.render.pod_parts import (
+    SCRATCH_ENV,
+    SCRATCH_VOLUME,
+    SCRATCH_VOLUME_MOUNT,
+    container_security,
+    placement_and_pulls,
+    pod_security,
+    with_ephemeral_storage,
+)
 from eagle3_operator.render.server_command import server_args
 from eagle3_operator.render.server_image import ImagePin
 from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_operator.spec_pod_settings import GPU_RESOURCE
 
 STARTUP_PERIOD_SECONDS = 10
+# Defaults where spec.resources names no ephemeral-storage: logs plus the engines' compile caches.
+SERVER_EPHEMERAL_REQUEST = "1Gi"
+SERVER_EPHEMERAL_LIMIT = "20Gi"
 
 
 def _resources(spec: Eagle3TargetSpec) -> dict[str, Any]:
@@ -30,7 +42,9 @@ def _resources(spec: Eagle3TargetSpec) -> dict[str, Any]:
     limits = dict(spec.resources.limits)
     if spec.tensor_parallel_size > 0:
         requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = spec.tensor_parallel_size
-    return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+    # No CPU limit on a GPU server (README, kube-score): throttling its engine's host threads stalls GPUs.
+    rendered = {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+    return with_ephemeral_storage(rendered, SERVER_EPHEMERAL_REQUEST, SERVER_EPHEMERAL_LIMIT)
 
 
 def _probe(path: str, *, period: int, failures: int) -> dict[str, Any]:
@@ -56,14 +70,14 @@ def _pod_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dict[str, Any
     image = spec.image or pin.image
     source_volume, model_mount = model_volume(spec)
     shm = {"medium": "Memory", "sizeLimit": spec.shm_size}
-    volumes = [source_volume, {"name": "dshm", "emptyDir": shm}]
-    mounts = [model_mount, {"name": "dshm", "mountPath": SHM_MOUNT}]
+    volumes = [source_volume, {"name": "dshm", "emptyDir": shm}, SCRATCH_VOLUME]
+    mounts = [model_mount, {"name": "dshm", "mountPath": SHM_MOUNT}, SCRATCH_VOLUME_MOUNT]
     if spec.auth is not None:
         volumes.append({"name": "auth", "secret": {"secretName": spec.auth.token_secret_ref.name}})
         mounts.append({"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
     volumes += [volume.model_dump(by_alias=True, exclude_none=True) for volume in spec.volumes]
     mounts += [mount.model_dump(by_alias=True, exclude_none=True) for mount in spec.volume_mounts]
-    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, *SCRATCH_ENV]
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in spec.env]
     container = {
         "name": SERVER_CONTAINER,
@@ -134,6 +148,8 @@ def build_deployment(
     rollout = {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}
     metadata = child_metadata(child_name(name), name, namespace, owner)
     metadata["annotations"] = {ANNOTATION_SERVER_IMAGE: pin.image}
+    if pin.variant:
+        metadata["annotations"][ANNOTATION_SERVER_IMAGE_VARIANT] = pin.variant
     if pin.upgrade is not None:
         metadata["annotations"][ANNOTATION_UPGRADE] = pin.upgrade
     return {

@@ -27,7 +27,15 @@ from eagle3_operator.render.names import (
     instance_label,
     short_hash,
 )
-from eagle3_operator.render.pod_parts import container_security, placement_and_pulls, pod_security
+from eagle3_operator.render.pod_parts import (
+    SCRATCH_ENV,
+    SCRATCH_VOLUME,
+    SCRATCH_VOLUME_MOUNT,
+    container_security,
+    placement_and_pulls,
+    pod_security,
+    with_ephemeral_storage,
+)
 from eagle3_operator.render.server_image import ImagePin
 from eagle3_operator.spec import Eagle3TargetSpec
 
@@ -39,6 +47,7 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        *SCRATCH_ENV,
     ]
     if source.token_secret_ref is not None:
         ref = source.token_secret_ref
@@ -55,8 +64,12 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         ],
         "env": env,
         "ports": [{"name": "progress", "containerPort": HYDRATION_PROGRESS_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "resources": with_ephemeral_storage(
+            {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}},
+            "256Mi",
+            "2Gi",
+        ),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, SCRATCH_VOLUME_MOUNT],
         # The Hub's refusal (a gated repo, a bad token, a missing revision) is the termination message;
         # a crash before it could write one leaves the tail of the log instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -73,7 +86,11 @@ def wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "command": ["eagle3-target", "wait-for-model", "--local-dir", hf_model_dir(spec)],
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}],
-        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "resources": with_ephemeral_storage(
+            {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}},
+            "16Mi",
+            "64Mi",
+        ),
         "securityContext": container_security(),
     }
 
@@ -84,7 +101,7 @@ def _hydration_job_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dic
         # Never: a failed attempt stays as a pod whose termination message says why; the Job retries.
         "restartPolicy": "Never",
         "containers": [_download_container(spec, image)],
-        "volumes": [model_volume(spec)[0]],
+        "volumes": [model_volume(spec)[0], SCRATCH_VOLUME],
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": pod_security(spec),

@@ -4,6 +4,7 @@ may run on and the secrets they pull the image with. One definition keeps the tw
 
 from typing import Any
 
+from eagle3_operator.constants import SCRATCH_MOUNT
 from eagle3_operator.spec import Eagle3TargetSpec
 
 # The target image's non-root user and group (image/Dockerfile), set explicitly so that runAsNonRoot also
@@ -17,9 +18,27 @@ def container_security() -> dict[str, Any]:
         "allowPrivilegeEscalation": False,
         "privileged": False,
         "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+SCRATCH_VOLUME: dict[str, Any] = {"name": "scratch", "emptyDir": {}}
+SCRATCH_VOLUME_MOUNT: dict[str, Any] = {"name": "scratch", "mountPath": SCRATCH_MOUNT}
+# Before the spec's own env, so a target may still point HOME elsewhere (a cache volume of its own).
+SCRATCH_ENV: list[dict[str, Any]] = [
+    {"name": "HOME", "value": SCRATCH_MOUNT},
+    {"name": "TMPDIR", "value": SCRATCH_MOUNT},
+]
+
+
+def with_ephemeral_storage(resources: dict[str, Any], request: str, limit: str) -> dict[str, Any]:
+    """RESOURCES with an ephemeral-storage request and limit (the scratch emptyDir and the container's logs
+    count against it, so a runaway cache evicts this pod, not its node's neighbours) unless already set."""
+    requests = {"ephemeral-storage": request, **resources.get("requests", {})}
+    limits = {"ephemeral-storage": limit, **resources.get("limits", {})}
+    return {**resources, "requests": requests, "limits": limits}
 
 
 def pod_security(spec: Eagle3TargetSpec) -> dict[str, Any]:

@@ -133,12 +133,14 @@ class Observation:
     hydration: Hydration | None = None  # only for huggingFace sources
     identity: tuple[str, ...] = ()  # render.server_command.model_identity of the current spec's command
     apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
+    awaiting_download: bool = False  # a running download's progress has not been polled yet
 
     @property
     def awaiting_verdicts(self) -> bool:
         """Whether an endpoint has had no probe verdict yet (the operator just started, or a pod just got
-        its IP): what it serves is unknown, not failed."""
-        return any(probe.error == NOT_PROBED_YET for probe in self.probes.values())
+        its IP), or a running download no poll yet: what it serves, or how far it is, is unknown, not
+        failed or absent."""
+        return self.awaiting_download or any(probe.error == NOT_PROBED_YET for probe in self.probes.values())
 
 
 def timestamp(moment: datetime) -> str:

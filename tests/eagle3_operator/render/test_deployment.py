@@ -2,8 +2,10 @@
 rollout, suspend and the budget for several replicas."""
 
 import pytest
+from eagle3_operator.constants import SCRATCH_MOUNT
 from eagle3_operator.render.names import selector_labels
 from eagle3_operator.render.server_image import DEFAULT_IMAGE
+from eagle3_operator.spec_pod_settings import GPU_RESOURCE
 
 from support.rendering import (
     children,
@@ -35,7 +37,7 @@ def test_gpus_follow_tensor_parallel_size(engine, gpus):
         assert resources["requests"]["nvidia.com/gpu"] == gpus == resources["limits"]["nvidia.com/gpu"]
     else:
         assert "nvidia.com/gpu" not in resources["requests"]
-        assert "limits" not in resources
+        assert set(resources["limits"]) == {"ephemeral-storage"}
 
 
 @pytest.mark.parametrize("timeout", [30, 95, 1800, 86400])
@@ -84,12 +86,14 @@ def test_pod_settings_reach_the_pod_template():
     pod, server = template["spec"], template["spec"]["containers"][0]
     assert server["env"] == [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": SCRATCH_MOUNT},
+        {"name": "TMPDIR", "value": SCRATCH_MOUNT},
         {"name": "NCCL_DEBUG", "value": "INFO"},
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}},
     ]
     assert {"name": "nvme", "hostPath": {"path": "/mnt/nvme", "type": "Directory"}} in pod["volumes"]
     assert {"name": "nvme", "mountPath": "/cache/vllm", "readOnly": False} in server["volumeMounts"]
-    assert [v["name"] for v in pod["volumes"]] == ["model", "dshm", "nvme"]
+    assert [v["name"] for v in pod["volumes"]] == ["model", "dshm", "scratch", "nvme"]
     assert template["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
     assert selector_labels("tiny").items() <= template["metadata"]["labels"].items()
     assert template["metadata"]["annotations"] == {
@@ -112,7 +116,25 @@ def test_unset_pod_settings_leave_no_trace():
         "topologySpreadConstraints",
     ):
         assert absent not in pod
-    assert [e["name"] for e in pod["containers"][0]["env"]] == ["HF_HUB_OFFLINE"]
+    assert [e["name"] for e in pod["containers"][0]["env"]] == ["HF_HUB_OFFLINE", "HOME", "TMPDIR"]
+
+
+def test_the_root_filesystem_is_read_only_and_scratch_is_an_emptydir():
+    """Everything the server writes goes to the scratch emptyDir (HOME, TMPDIR) or /dev/shm, bounded by an
+    ephemeral-storage request and limit the spec can override."""
+    pod = pod_of(make_spec())
+    (server,) = pod["containers"]
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "scratch", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "scratch", "mountPath": SCRATCH_MOUNT} in server["volumeMounts"]
+    assert server["resources"]["requests"]["ephemeral-storage"] == "1Gi"
+    assert server["resources"]["limits"]["ephemeral-storage"] == "20Gi"
+    own = make_spec(resources={"limits": {"ephemeral-storage": "200Gi", "memory": "8Gi"}})
+    assert server_of(own)["resources"]["limits"] == {
+        "ephemeral-storage": "200Gi",
+        "memory": "8Gi",
+        GPU_RESOURCE: 1,
+    }
 
 
 def test_topology_spread_defaults_to_this_targets_pods():

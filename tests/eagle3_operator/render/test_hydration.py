@@ -42,7 +42,10 @@ def test_hugging_face_source_is_downloaded_once_by_a_job_the_pods_wait_for():
     assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
     assert "HF_TOKEN" not in {e["name"] for e in server["env"]}  # the server never needs the Hub token
     job_pod = job["spec"]["template"]["spec"]
-    assert job_pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}}]
+    assert job_pod["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
     assert {"name": "model", "mountPath": "/models"} in download["volumeMounts"]  # writable for the download
     assert (
         job_pod["restartPolicy"] == "Never"

@@ -166,7 +166,7 @@ def test_loading_errors(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown dtype"):
         HFRunner.from_pretrained(tiny_llama_dir, dtype="float7", device="cpu")
     with pytest.raises(ModelRefused, match="unknown engine"):
-        load_runner("sglang", tiny_llama_dir, dtype="float32")
+        load_runner("trt", tiny_llama_dir, dtype="float32")
     with pytest.raises(ModelRefused, match="no engine arguments"):
         load_runner("hf", tiny_llama_dir, dtype="float32", device="cpu", gpu_memory_utilization=0.5)
 

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from eagle3_target.protocol import FORMATS
 from eagle3_target.runners import ModelRefused
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.vllm import VLLMRunner
 from eagle3_target.runners.vllm_cpu import cpu_kv_cache_bytes
 from transformers import AutoConfig
 
-from support.supervision import assert_close_at_real_positions, draft_mapping, reference
+from support.supervision import (
+    assert_every_format_matches,
+    ragged_rows,
+)
 from support.vllm_runner import CPU_ENGINE_ARGS, open_runner
 
 ATOL = 1e-4
@@ -55,28 +57,15 @@ def engines(tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory) -> Iterator[dict[s
         runner.close()
 
 
-def ragged(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Four right-padded rows of 61, 40, 17 and 1 tokens: more rows than one length, one of a single token."""
-    gen = torch.Generator().manual_seed(11)
-    input_ids = torch.randint(0, vocab_size, (4, 61), generator=gen)
-    mask = (torch.arange(61)[None, :] < torch.tensor([61, 40, 17, 1])[:, None]).long()
-    return input_ids, mask
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_every_format_matches_the_hf_engine(engines, arch, tiny_llama_dir, tiny_qwen3_dir):
     runner = engines[arch]
     path = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=AUX)
     assert runner.aux_layer_ids == AUX and runner.model.norm.dtype == torch.float32
-    input_ids, mask = ragged(runner.model.config.vocab_size)
-    mapping = draft_mapping(64, seed=3)
+    input_ids, mask = ragged_rows(runner.model.config.vocab_size)
     valid = mask.bool()
-    for fmt, spec in FORMATS.items():
-        got = reference(runner, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
-        want = reference(hf, fmt, input_ids, mask, mapping if spec.needs_vocab else None)
-        assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
-        assert_close_at_real_positions(got, want, mask, ATOL, fmt)
+    assert_every_format_matches(runner, hf, input_ids, mask, ATOL)
     # The vLLM runner's padding is zeros, the pre-norm state is not the final one (random norm weights),
     # and nothing stays in the capture directory.
     prenorm, aux = runner.forward_hidden(input_ids, mask, prenorm=True)
@@ -125,7 +114,7 @@ def test_set_aux_layers_restarts_the_engine_with_the_new_layers(engines, tiny_ll
     runner.set_aux_layers([4, 1, 3])
     assert runner.engine is not before and runner.aux_layer_ids == [4, 1, 3]
     hf = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[4, 1, 3])
-    input_ids, mask = ragged(256)
+    input_ids, mask = ragged_rows(256)
     logits, aux = runner.forward_eagle3(input_ids, mask)
     hf_logits, hf_aux = hf.forward_eagle3(input_ids, mask)
     valid = mask.bool()

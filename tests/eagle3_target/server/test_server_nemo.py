@@ -90,3 +90,26 @@ def test_nemo_bad_bodies(server):
         ids, mask, _ = token_batch(1, 1, 6)
         ok = generate(session, server.url, ids, mask, mask)
         assert ok.status_code == 200
+
+
+def test_nemo_requests_through_an_http_proxy_are_refused_not_given_another_trainers_vocabulary(server):
+    """A proxy (Envoy in a mesh) reuses its upstream connections for any client, so a mapping bound to the
+    connection could reach another trainer's /generate: such requests are refused with the way out."""
+    ids, mask, _ = token_batch(44, 1, 8)
+    with nemo_session() as session:
+        for headers in (
+            {"X-Forwarded-For": "10.0.0.7"},
+            {"Via": "1.1 proxy"},
+            {"x-envoy-attempt-count": "1"},
+        ):
+            payload = nemo_wire.encode(
+                {"selected_token_ids": torch.arange(8), "selected_token_mask": torch.arange(256) < 8}
+            )
+            refused = session.post(server.url + "/set_vocab_mapping", content=payload, headers=headers)
+            body = assert_error(refused, 400, "bad_request")
+            assert "through an HTTP proxy" in body["message"]
+            assert next(iter(headers)).lower() in body["message"]
+        assert set_mapping(session, server.url, draft_mapping(16, seed=6)).status_code == 200
+        proxied = session.post(server.url + "/generate", content=b"", headers={"Forwarded": "for=10.0.0.7"})
+        assert "/v1/vocab-mappings" in assert_error(proxied, 400, "bad_request")["message"]
+        assert generate(session, server.url, ids, mask, mask).status_code == 200  # direct: served

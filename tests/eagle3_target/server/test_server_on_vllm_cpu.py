@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from eagle3_target.client import TargetClient
 from eagle3_target.protocol import EXIT_LOAD_FAILED, FORMATS
 from eagle3_target.runners import TargetRunner
@@ -27,9 +26,10 @@ from support.nemo_client import (
     nemo_session,
     set_mapping,
 )
-from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, launch
+from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, launch, start_server
 from support.supervision import (
     assert_close_at_real_positions,
+    assert_same_batch,
     draft_mapping,
     put_mapping,
     supervise,
@@ -63,12 +63,7 @@ def vllm_server(
         f"--engine-arg=hidden_states_dir={capture_dir}",
         *ENGINE_ARGS,
     ]  # fmt: skip
-    server = launch(directory / "server.log", free_port(), args)
-    try:
-        server.wait_until("/readyz", 200, timeout=VLLM_START_SECONDS)
-    except BaseException:
-        server.stop()
-        raise
+    server = start_server(directory, args, ready_timeout=VLLM_START_SECONDS)
     yield server
     server.stop()
 
@@ -104,15 +99,7 @@ def test_the_trainers_batch_through_target_client_equals_the_hf_engine(vllm_serv
     with TargetClient([vllm_server.url]) as ours, TargetClient([server.url]) as theirs:
         got = ours.batch(ids, mask, loss_mask, format=fmt, mapping=mapping)
         want = theirs.batch(ids, mask, loss_mask, format=fmt, mapping=mapping)
-    for name in ("aux_hidden_states", "input_ids", "attention_mask", "loss_mask", "logits", "target_probs"):
-        mine, reference = getattr(got, name), getattr(want, name)
-        assert (mine is None) == (reference is None), name
-        if reference is not None:
-            torch.testing.assert_close(
-                mine, reference, atol=ATOL, rtol=ATOL, msg=lambda m, at=name: f"{at}: {m}"
-            )
-    if want.position_mask is not None:
-        assert torch.equal(got.position_mask, want.position_mask)
+    assert_same_batch(got, want, ATOL)
 
 
 def test_nemo_generate_equals_the_co_located_batch(vllm_server, reference_runner: TargetRunner):

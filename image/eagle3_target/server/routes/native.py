@@ -20,7 +20,7 @@ from eagle3_target.server.computations import (
     supervision_compute,
     weight_tensor,
 )
-from eagle3_target.server.deps import StateDep, TargetDep
+from eagle3_target.server.deps import Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.streaming import PayloadResponse
@@ -46,7 +46,7 @@ async def info(target: TargetDep) -> TargetInfo:
     return target.info
 
 
-@router.post("/v1/supervision")
+@router.post("/v1/supervision", dependencies=[Counted])
 async def supervision(
     request: Request,
     state: StateDep,
@@ -131,7 +131,7 @@ async def put_vocab_mapping(
     )
 
 
-@router.get("/v1/weights/{name}")
+@router.get("/v1/weights/{name}", dependencies=[Counted])
 async def weights(name: str, state: StateDep) -> Response:
     if name not in WEIGHT_NAMES:
         raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")

@@ -24,7 +24,7 @@ from eagle3_target.server.computations import (
     refuse_oversized,
     weight_tensor,
 )
-from eagle3_target.server.deps import StateDep, TargetDep
+from eagle3_target.server.deps import Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.streaming import PayloadResponse
@@ -57,6 +57,25 @@ def peer(request: Request) -> tuple[str, int]:
     return (client.host, client.port) if client else ("unknown", 0)
 
 
+# Headers an HTTP proxy adds on the way (Envoy, as in Istio, adds its x-envoy-* ones).
+PROXY_HEADERS = ("forwarded", "via", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto")
+
+
+def own_connection(request: Request) -> tuple[str, int]:
+    """The NeMo client's connection, which its vocab mapping is bound to. Behind an L7 proxy the peer is
+    the proxy, which reuses its connections for any client (two trainers would share one mapping), so a
+    proxied request is refused rather than answered with someone else's vocabulary."""
+    proxied = [name for name in request.headers if name in PROXY_HEADERS or name.startswith("x-envoy-")]
+    if proxied:
+        raise BadRequest(
+            f"NeMo vocab mappings are bound to the client's own connection, and this request came through"
+            f" an HTTP proxy ({', '.join(sorted(proxied))}), which shares connections between clients:"
+            " reach the server directly (its pod IP or a headless Service, outside any mesh sidecar), or"
+            " use the native client (PUT /v1/vocab-mappings/{id})"
+        )
+    return peer(request)
+
+
 @router.get("/health")
 async def health(_target: TargetDep) -> dict[str, str]:
     return OK
@@ -69,7 +88,7 @@ async def model_info(target: TargetDep) -> dict[str, object]:
     )
 
 
-@router.post("/input_embeddings")
+@router.post("/input_embeddings", dependencies=[Counted])
 async def input_embeddings(target: TargetDep) -> Response:
 
     def encode() -> Payload:
@@ -80,6 +99,7 @@ async def input_embeddings(target: TargetDep) -> Response:
 
 @router.post("/set_vocab_mapping")
 async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep) -> dict[str, str]:
+    host, port = own_connection(request)
     limit = mapping_body_limit(target.info.vocab_size)
     body = await read_body_capped(request, limit)
 
@@ -101,16 +121,15 @@ async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep
     mapping = await run_in_threadpool(build)
     mapping_id = mapping.digest()
     state.mappings.put(mapping_id, mapping)
-    host, port = peer(request)
     state.nemo_bindings.bind(host, port, mapping_id)
     log.info("vocab mapping set", extra={"vocab": mapping_id, "peer": f"{host}:{port}"})
     return {**OK, "vocab_id": mapping_id}
 
 
-@router.post("/generate")
+@router.post("/generate", dependencies=[Counted])
 async def generate(request: Request, state: StateDep, target: TargetDep) -> Response:
     try:
-        mapping_id = state.nemo_bindings.resolve(*peer(request))
+        mapping_id = state.nemo_bindings.resolve(*own_connection(request))
     except UnboundConnection as exc:
         raise NotFound(str(exc)) from exc
     mapping = state.mappings.get(mapping_id)

@@ -17,8 +17,9 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(_target: TargetDep) -> dict[str, str]:
-    return {"status": "ready"}
+async def readyz(state: StateDep, _target: TargetDep) -> dict[str, object]:
+    """Ready, and who has pulled lately (what the operator reads to tell a used target from an idle one)."""
+    return {"status": "ready", "activity": state.activity.snapshot().model_dump(mode="json", by_alias=True)}
 
 
 @router.get("/metrics")

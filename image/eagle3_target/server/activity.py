@@ -1,0 +1,60 @@
+"""Who pulls from this server, and when last: the data requests (supervision, NeMo's /generate, weights) by
+client, so the operator can tell a target nobody trains against from one in use.
+
+Clients of ours name their process in CLIENT_HEADER; a request without it is counted under its peer host
+(NeMo's client sends none; behind one host several NeMo processes read as one consumer). At most
+MAX_CLIENTS are remembered (the least recent go first) and the /readyz answer lists MAX_LISTED of them, so
+neither memory nor the probe's answer grows with the number of clients ever seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from eagle3_target.protocol import CLIENT_HEADER, Activity, ClientActivity
+
+MAX_CLIENTS = 1024
+MAX_LISTED = 32
+# A client id longer than this is cut: the header is the client's to write.
+MAX_ID_LENGTH = 200
+
+
+class ActivityLog:
+    def __init__(self) -> None:
+        self._clients: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (requests, last), LRU
+        self._requests = 0
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def record(self, client: str) -> None:
+        now = time.time()
+        with self._lock:
+            requests, _ = self._clients.pop(client, (0, now))
+            self._clients[client] = (requests + 1, now)
+            while len(self._clients) > MAX_CLIENTS:
+                self._clients.popitem(last=False)
+            self._requests += 1
+            self._last = now
+
+    def snapshot(self) -> Activity:
+        with self._lock:
+            recent = list(self._clients.items())[-MAX_LISTED:]
+            return Activity(
+                requests=self._requests,
+                last_request_at=self._last,
+                clients=tuple(
+                    ClientActivity(id=client, requests=requests, last_request_at=last)
+                    for client, (requests, last) in reversed(recent)
+                ),
+            )
+
+
+def client_of(headers: Mapping[str, str], peer_host: str | None) -> str:
+    """The id a request counts under: its CLIENT_HEADER (cut to MAX_ID_LENGTH), else its peer host."""
+    named = headers.get(CLIENT_HEADER)
+    if named:
+        return named[:MAX_ID_LENGTH]
+    return f"peer {peer_host or 'unknown'}"

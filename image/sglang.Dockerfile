@@ -1,0 +1,28 @@
+# The eagle3-target server image on SGLang's official image: the `server` extra on top, so SGLang 0.5.23, its
+# CUDA kernels (sgl_kernel) and its torch come from SGLang's release unchanged; the default engine is sglang
+# (the HF engine works in it too). Build from the repository root:
+#   docker build -f image/sglang.Dockerfile -t ghcr.io/eagle3-dev/eagle3-target:0.1.0-sglang .
+# and set spec.image (or the chart's image) to it for targets with engine: sglang.
+FROM lmsysorg/sglang:v0.5.23
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY image/eagle3_target/ image/eagle3_target/
+COPY operator/eagle3_operator/ operator/eagle3_operator/
+# SGLang, its kernels and torch stay as the base image installed them: the constraints file pins them, so a
+# requirement of the `server` extra that disagrees fails the build instead of replacing them.
+RUN python3 -m pip freeze | grep -iE '^(sglang|sgl-kernel|sglang-kernel|torch|triton|flashinfer-python)==' \
+        > /tmp/keep-sglang.txt \
+    && python3 -m pip install --constraint /tmp/keep-sglang.txt ".[server]" \
+    && rm -rf /src /tmp/keep-sglang.txt
+
+RUN useradd --uid 10001 --gid 0 --create-home --home-dir /home/eagle3 eagle3 \
+    && chmod -R g=u /home/eagle3
+ENV HOME=/home/eagle3 PYTHONUNBUFFERED=1 \
+    EAGLE3_TARGET_ENGINE=sglang
+WORKDIR /home/eagle3
+USER 10001:0
+EXPOSE 8000
+ENTRYPOINT ["eagle3-target", "serve"]
+CMD ["--host", "0.0.0.0", "--port", "8000"]
