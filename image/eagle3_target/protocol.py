@@ -152,6 +152,12 @@ class LoadProgress(BaseModel):
 # Who pulls: every client of ours names its process (host or pod, and a per-process id) in this header, so a
 # server can tell its consumers apart; a client that sends none (NeMo's) is known by its peer address.
 CLIENT_HEADER = "X-Eagle3-Client"
+# Set (to the time, or any new value) on an Eagle3Target to wake it from Idle: `resolve()` does when it finds
+# a target idle; the operator wakes a target whose value differs from the one it recorded when it went idle.
+ANNOTATION_WAKE_REQUESTED = f"{GROUP}/wake-requested-at"
+# A consumer is active while its last data request is at most this old (the server's active-clients gauge,
+# the operator's status.consumers).
+CONSUMER_WINDOW_SECONDS = 600
 
 
 class ClientActivity(BaseModel):
@@ -172,7 +178,8 @@ class Activity(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
 
     requests: int = 0
-    last_request_at: float | None = None  # Unix time; None before the first
+    last_request_at: float | None = None  # Unix time of the last start or end of one; None before the first
+    in_flight: int = 0  # data requests being handled now (a target serving one is not idle)
     clients: tuple[ClientActivity, ...] = ()
 
 

@@ -32,6 +32,7 @@ class TargetSnapshot:
     status: Mapping[str, Any]
     deleting: bool
     upgrade: str | None = None  # the target's constants.ANNOTATION_UPGRADE
+    wake: str | None = None  # the target's protocol.ANNOTATION_WAKE_REQUESTED
 
 
 @dataclass(frozen=True)

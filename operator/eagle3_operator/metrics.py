@@ -28,8 +28,12 @@ API_REQUESTS = Counter(
 CHILD_APPLIES = Counter("eagle3_operator_child_applies_total", "Server-side applies of children.", ["kind"])
 STATUS_WRITES = Counter("eagle3_operator_status_writes_total", "Status patches written.")
 PROBES = Counter("eagle3_operator_probes_total", "Target-server probes, by outcome.", ["outcome"])
+IDLE_SCALE_DOWNS = Counter(
+    "eagle3_operator_idle_scale_downs_total", "Targets scaled to zero pods after spec.idle.scaleToZeroAfter."
+)
+WAKE_UPS = Counter("eagle3_operator_wake_ups_total", "Idle targets woken (the wake annotation changed).")
 
-PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Suspended")
+PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Suspended", "Idle")
 
 
 def publish_targets(targets: Collection[tuple[str, int]]) -> None:

@@ -9,7 +9,8 @@ its own jittered period; the reconcile pass only reads the latest published resu
 when a result changes. A serving endpoint is published as not ready only after `failure_threshold`
 consecutive failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never
 served is published as the probe finds it, so its error shows at once. /v1/info is immutable for a
-server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that. A
+server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that; its body
+also says who pulled lately (protocol.Activity), kept with the result for the idle clock (status/idle.py). A
 running download (a hydration pod) is polled for its progress the same way, so status moves while it runs.
 
 Probes carry no credentials: /readyz and /v1/info answer without the token (the data routes do not), so
@@ -21,6 +22,7 @@ log has the detail.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import httpx
-from eagle3_target.protocol import HydrationProgress, LoadProgress, ServedModel, TargetInfo
+from eagle3_target.protocol import Activity, HydrationProgress, LoadProgress, ServedModel, TargetInfo
 from pydantic import ValidationError
 
 from eagle3_operator import metrics
@@ -146,6 +148,11 @@ class Prober(Generic[K]):
         download = self._downloads.get(key)
         return download is not None and not download.polled
 
+    def activities(self, key: K) -> list[Activity | None]:
+        """What each of `key`'s endpoints that serve said of its data requests at its last probe."""
+        endpoints = self._endpoints.get(key, {}).values()
+        return [endpoint.published.activity for endpoint in endpoints if endpoint.published.ready]
+
     def forget(self, key: K) -> None:
         for endpoint in self._endpoints.pop(key, {}).values():
             self._stop(endpoint)
@@ -172,6 +179,8 @@ class Prober(Generic[K]):
                     result = ProbeResult(ready=True, info=info)
                 else:
                     result = _parse_info(*await self._get(f"{base_url}/v1/info"))
+                if result.ready:
+                    result = dataclasses.replace(result, activity=_activity(body))
             except (TimeoutError, httpx.TimeoutException) as error:
                 error_text = f"no answer in time ({_name(error)})"
                 result = ProbeResult(ready=False, reachable=False, error=error_text, timed_out=True)
@@ -244,7 +253,7 @@ class Prober(Generic[K]):
             endpoint.info = None
             holding = endpoint.published.ready and endpoint.failures < self._threshold
             published = endpoint.published if holding else result
-        changed = published != endpoint.published
+        changed = published != endpoint.published or _consumers(published) != _consumers(endpoint.published)
         endpoint.published = published
         return changed
 
@@ -261,6 +270,19 @@ def _name(error: BaseException) -> str:
 def _from_a_target_server(result: ProbeResult) -> bool:
     """Whether a target server gave this result: it serves, or it said how far its load has come."""
     return result.ready or result.progress is not None
+
+
+def _consumers(result: ProbeResult) -> set[str]:
+    """The client ids a result lists: a new or vanished one asks for a pass (a new request alone does not)."""
+    return {client.id for client in result.activity.clients} if result.activity is not None else set()
+
+
+def _activity(body: bytes) -> Activity | None:
+    """The data-request activity in a ready server's /readyz body (None: it does not say)."""
+    try:
+        return Activity.model_validate(json.loads(body)["activity"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _not_ready(status: int, body: bytes) -> ProbeResult:

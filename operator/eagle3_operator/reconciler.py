@@ -3,7 +3,8 @@
 Every trigger (the target changed, a child or pod changed, a probe result or a download's progress moved)
 just asks for a pass over one target, through one work queue (workqueue.py): requests that arrive while a
 pass runs fold into a single follow-up pass, and each pass returns when it wants to run again (a startup
-deadline, the end of a refused apply's backoff, the end of a wait for first probe verdicts), so the queue
+deadline, the end of a refused apply's backoff, the end of a wait for first probe verdicts, the end of
+an idle window), so the queue
 holds every timer and retry there is. A pass reads only in-memory state (kopf's indexes of the target, its
 children and its pods, see indexes.py, and the prober's latest results), so it makes API calls only to
 change something: a child that differs from what is rendered (or is missing, or should not exist) is
@@ -34,6 +35,7 @@ from eagle3_operator.render.server_image import DEFAULT_IMAGES, ImagePin, Server
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status.conditions import Transition, transitions
 from eagle3_operator.status.document import compute_status, status_patch
+from eagle3_operator.status.idle import IdleJudgement, judge_idle
 from eagle3_operator.status.observation import (
     EPOCH,
     Failure,
@@ -185,6 +187,12 @@ class Reconciler:
         self._instances[namespace, selector_labels(name)[LABEL_INSTANCE]] = name
         memory.generation = snapshot.generation
         outcome = Pass("ok")
+        lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
+        if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
+            memory.superseded.clear()
+        previous = (
+            memory.written_status if lagging and memory.written_status is not None else dict(snapshot.status)
+        )
         try:
             spec = Eagle3TargetSpec.parse(dict(snapshot.spec))
         except InvalidSpec as error:
@@ -192,8 +200,11 @@ class Reconciler:
             observation = Observation(generation=snapshot.generation, spec=None, spec_error=str(error))
         else:
             await self._warn_unknown_fields(key, snapshot, memory)
-            applied, refused = await self._sync_children(key, snapshot, spec, memory, outcome)
-            observation = self._observe(key, snapshot, spec, memory, applied, refused)
+            idle = judge_idle(spec, snapshot.wake, previous, self._prober.activities(key), self._clock())
+            if idle.recheck_in is not None:
+                outcome.again_within(idle.recheck_in)
+            applied, refused = await self._sync_children(key, snapshot, spec, memory, outcome, idle)
+            observation = self._observe(key, snapshot, spec, memory, applied, refused, idle)
         deadline = self._next_startup_deadline(observation)
         if deadline is not None:
             outcome.again_within(deadline)
@@ -201,12 +212,6 @@ class Reconciler:
         if hold is not None:
             outcome.again_within(hold)
             return outcome
-        lagging = memory.written_status is not None and snapshot.resource_version in memory.superseded
-        if not lagging:  # The index shows the last write, or a later write by someone else: trust it.
-            memory.superseded.clear()
-        previous = (
-            memory.written_status if lagging and memory.written_status is not None else dict(snapshot.status)
-        )
         status = compute_status(observation, previous, self._clock())
         patch = status_patch(previous, status)
         if patch:
@@ -226,6 +231,8 @@ class Reconciler:
             memory.superseded |= {snapshot.resource_version, memory.written_version or ""}
             memory.written_version = (response.get("metadata") or {}).get("resourceVersion")
             await self._announce(TargetRef(namespace, name, snapshot.uid), previous, status)
+            if "idle" in patch:
+                (metrics.IDLE_SCALE_DOWNS if status.get("idle") else metrics.WAKE_UPS).inc()
         if observation.apply_failure is None:
             self._queue.forget(key)
         self._published[key] = (status["phase"], status.get("readyReplicas") or 0)
@@ -258,7 +265,13 @@ class Reconciler:
         return left
 
     async def _sync_children(
-        self, key: TargetKey, snapshot: TargetSnapshot, spec: Eagle3TargetSpec, memory: _Memory, outcome: Pass
+        self,
+        key: TargetKey,
+        snapshot: TargetSnapshot,
+        spec: Eagle3TargetSpec,
+        memory: _Memory,
+        outcome: Pass,
+        idle: IdleJudgement,
     ) -> tuple[dict[str, dict[str, Any]], Failure | None]:
         """Apply what differs from the rendering, delete what should not exist.
 
@@ -289,6 +302,7 @@ class Reconciler:
                 pod_monitor_supported=monitors,
                 neighbours=self._neighbours,
                 hydrated=hydrated,
+                idle=idle.idle is not None,
                 pin=pin,
             )
             digests = tuple(rendered_digest(manifest) or "" for manifest in desired)
@@ -330,6 +344,7 @@ class Reconciler:
         memory: _Memory,
         applied: Mapping[str, Mapping[str, Any]],
         refused: Failure | None,
+        idle: IdleJudgement,
     ) -> Observation:
         namespace, name = key
         if spec.external:
@@ -337,7 +352,9 @@ class Reconciler:
             # A URL the resource's author chose: status tells only whether a target server answers there.
             probes = self._prober.watch(key, {} if spec.suspend else {url: url}, disclose=False)
             self._prober.follow_download(key, None)
-            return Observation(generation=snapshot.generation, spec=spec, url=url, probes=probes)
+            return Observation(
+                generation=snapshot.generation, spec=spec, url=url, probes=probes, consumers=idle.consumers
+            )
         deployments = [c.deployment for c in self._children.owned(key) if c.deployment is not None]
         deployment = deployment_view(applied["Deployment"]) if "Deployment" in applied else only(deployments)
         pods = [pod for pod in self._pods_of(key) if not pod.hydration]
@@ -355,6 +372,8 @@ class Reconciler:
             apply_failure=refused,
             hydration=self._hydration(key, spec, memory.pin),
             awaiting_download=self._prober.awaiting_download(key),
+            idle=idle.idle,
+            consumers=idle.consumers,
         )
 
     def _hydration(self, key: TargetKey, spec: Eagle3TargetSpec, pin: ImagePin) -> Hydration | None:

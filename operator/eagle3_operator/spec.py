@@ -109,6 +109,36 @@ class MonitoringSpec(SpecModel):
     metrics_port: int = Field(9090, ge=1024, le=65535)
 
 
+# A Go-style duration of whole units: 2h, 90m, 1h30m, 45s.
+DURATION_PATTERN = r"^([0-9]+(s|m|h))+$"
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600}
+# The shortest idle window: short enough for tests, long enough that one probe period cannot decide it.
+MIN_SCALE_TO_ZERO_SECONDS = 5
+
+
+def duration_seconds(duration: str) -> int:
+    """Seconds in a DURATION_PATTERN duration."""
+    return sum(int(n) * DURATION_UNITS[unit] for n, unit in re.findall(r"([0-9]+)([smh])", duration))
+
+
+class IdleSpec(SpecModel):
+    """When a target nobody pulls from gives its GPUs back (status/idle.py)."""
+
+    scale_to_zero_after: str | None = Field(None, pattern=DURATION_PATTERN)
+
+    @field_validator("scale_to_zero_after")
+    @classmethod
+    def _long_enough(cls, value: str | None) -> str | None:
+        if value is not None and duration_seconds(value) < MIN_SCALE_TO_ZERO_SECONDS:
+            raise ValueError(f"must be at least {MIN_SCALE_TO_ZERO_SECONDS}s")
+        return value
+
+    @property
+    def after_seconds(self) -> int | None:
+        """The idle window in seconds; None: never scale to zero."""
+        return duration_seconds(self.scale_to_zero_after) if self.scale_to_zero_after else None
+
+
 class EndpointSpec(SpecModel):
     url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)
 
@@ -146,6 +176,7 @@ class Eagle3TargetSpec(SpecModel):
     security_context: PodSecurity = Field(default_factory=PodSecurity)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    idle: IdleSpec = Field(default_factory=IdleSpec)
 
     @property
     def managed_model(self) -> ModelSpec:
@@ -227,6 +258,10 @@ class Eagle3TargetSpec(SpecModel):
         if self.endpoint is None and not has_source:
             raise ValueError(
                 "model.source (pvc, hostPath or huggingFace) is required unless endpoint.url is set"
+            )
+        if self.endpoint is not None and self.idle.scale_to_zero_after is not None:
+            raise ValueError(
+                "idle.scaleToZeroAfter scales pods the operator runs; an endpoint.url target has none"
             )
         if ENGINES[self.engine].sharded and self.tensor_parallel_size < 1:
             raise ValueError(

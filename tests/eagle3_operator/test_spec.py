@@ -122,6 +122,12 @@ def test_suspend_means_zero_pods():
     assert Eagle3TargetSpec.parse(pvc_spec(replicas=3)).effective_replicas == 3
 
 
+@pytest.mark.parametrize(("given", "seconds"), [(None, None), ("5s", 5), ("2h", 7200), ("1h30m", 5400)])
+def test_the_idle_window_is_a_duration(given, seconds):
+    idle = {"scaleToZeroAfter": given} if given else {}
+    assert Eagle3TargetSpec.parse(pvc_spec(idle=idle)).idle.after_seconds == seconds
+
+
 def test_hf_engine_may_run_without_gpus():
     assert Eagle3TargetSpec.parse(pvc_spec(engine="hf", tensorParallelSize=0)).tensor_parallel_size == 0
 
@@ -165,6 +171,15 @@ BAD_SPECS = {
         "spec.model.source.huggingFace.repo",
     ),
     "bad url": ({"endpoint": {"url": "ftp://x"}}, "spec.endpoint.url"),
+    "idle window not a duration": (
+        pvc_spec(idle={"scaleToZeroAfter": "2 hours"}),
+        "spec.idle.scaleToZeroAfter",
+    ),
+    "idle window too short": (pvc_spec(idle={"scaleToZeroAfter": "4s"}), "must be at least 5s"),
+    "idle external target": (
+        {"endpoint": {"url": "http://x:1"}, "idle": {"scaleToZeroAfter": "1h"}},
+        "an endpoint.url target has none",
+    ),
 }
 
 

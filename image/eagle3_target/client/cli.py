@@ -41,12 +41,15 @@ def resolve_command(
         Output, typer.Option("--output", "-o", help="json, or urls (one per line)")
     ] = Output.json,
     kubeconfig: Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")] = None,
+    wake: Annotated[
+        bool, typer.Option("--wake/--no-wake", help="wake the target if it is idle (needs patch on it)")
+    ] = True,
 ) -> None:
     """Resolve an Eagle3Target: its URL, serving endpoints, model and fingerprint, once it serves."""
     from eagle3_target.client import ClientError, resolve
 
     try:
-        target = resolve(name, namespace, wait, kubeconfig=kubeconfig, require=require.value)
+        target = resolve(name, namespace, wait, kubeconfig=kubeconfig, require=require.value, wake=wake)
     except ClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

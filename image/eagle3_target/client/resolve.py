@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -32,7 +33,7 @@ from eagle3_target.client.errors import (
     TargetCRDMissing,
     TargetNotFound,
 )
-from eagle3_target.protocol import GROUP, PLURAL, VERSION, ServedModel
+from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION, ServedModel
 
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
@@ -133,6 +134,31 @@ def readiness(obj: dict[str, Any], require: Requirement = "Available") -> tuple[
     return True, state
 
 
+def idle(obj: dict[str, Any]) -> bool:
+    """Whether the operator has scaled the target to zero for idleness (it then waits for a wake)."""
+    return bool((obj.get("status") or {}).get("idle"))
+
+
+def request_wake(api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any]) -> None:
+    """Ask the operator to wake an idle target: a new value of its wake annotation (the time, to the
+    microsecond; any value other than the one recorded when it went idle wakes it)."""
+    meta = obj["metadata"]
+    patch = {"metadata": {"annotations": {ANNOTATION_WAKE_REQUESTED: datetime.now(UTC).isoformat()}}}
+    try:
+        api.patch_namespaced_custom_object(
+            resource.group, resource.version, meta["namespace"], resource.plural, meta["name"], patch
+        )
+    except ApiException as exc:
+        if exc.status in (401, 403):
+            raise TargetAccessForbidden(
+                f"{resource.plural}/{meta['name']} in namespace {meta['namespace']!r} is idle and waking it "
+                f"needs `patch` on {resource.plural}.{resource.group} (Kubernetes' edit role has it where "
+                f"the eagle3-operator chart is installed): HTTP {exc.status} {_api_message(exc)}; or resolve "
+                "with wake=False (--no-wake) and ask someone who may to wake it"
+            ) from exc
+        raise _classify(api, resource, meta["name"], meta["namespace"], exc) from exc
+
+
 def ready_endpoints(status: dict[str, Any]) -> tuple[str, ...]:
     endpoints = status.get("endpoints") or []
     return tuple(e["address"] for e in endpoints if e.get("ready") and e.get("address"))
@@ -159,12 +185,14 @@ def resolve(
     api_client: k8s.ApiClient | None = None,
     resource: TargetResource = EAGLE3_TARGET,
     require: Requirement = "Available",
+    wake: bool = True,
 ) -> ResolvedTarget:
     """Return target `name` and the endpoints serving it, waiting up to `wait` seconds (0: check once) until
     it is Available (default: some endpoint serves the current model) or, with require="Ready", every
-    desired replica serves.
+    desired replica serves. An idle target is woken first unless `wake` is False.
 
-    Raises TargetNotFound, TargetCRDMissing, TargetAccessForbidden or ResolveTimeout (naming the last reason).
+    Raises TargetNotFound, TargetCRDMissing, TargetAccessForbidden (also when waking is not allowed) or
+    ResolveTimeout (naming the last reason).
     """
     if api_client is None:
         api_client, default_namespace = api_client_from_environment(kubeconfig)
@@ -174,11 +202,16 @@ def resolve(
     api = k8s.CustomObjectsApi(api_client)
     deadline = time.monotonic() + max(wait, 0.0)
     watch_allowed = True
+    woken = False
     while True:
         obj = _get(api, resource, name, namespace)
         ready, why = readiness(obj, require)
         if ready:
             return resolved_from(obj)
+        if wake and not woken and idle(obj):
+            request_wake(api, resource, obj)
+            woken = True
+            why = f"{why}; woken from idle, waiting for scheduling and a model load"
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ResolveTimeout(

@@ -9,12 +9,14 @@ neither memory nor the probe's answer grows with the number of clients ever seen
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
-from eagle3_target.protocol import CLIENT_HEADER, Activity, ClientActivity
+from eagle3_target.protocol import CLIENT_HEADER, CONSUMER_WINDOW_SECONDS, Activity, ClientActivity
 
 MAX_CLIENTS = 1024
 MAX_LISTED = 32
@@ -26,10 +28,14 @@ class ActivityLog:
     def __init__(self) -> None:
         self._clients: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (requests, last), LRU
         self._requests = 0
+        self._in_flight = 0
         self._last: float | None = None
         self._lock = threading.Lock()
 
-    def record(self, client: str) -> None:
+    @contextlib.contextmanager
+    def request(self, client: str) -> Iterator[None]:
+        """One data request of `client`, counted when it starts; in flight until it ends, and the end is
+        the last activity too (a long request keeps its target from looking idle)."""
         now = time.time()
         with self._lock:
             requests, _ = self._clients.pop(client, (0, now))
@@ -37,17 +43,31 @@ class ActivityLog:
             while len(self._clients) > MAX_CLIENTS:
                 self._clients.popitem(last=False)
             self._requests += 1
+            self._in_flight += 1
             self._last = now
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._last = time.time()
+
+    def active(self, window: float = CONSUMER_WINDOW_SECONDS) -> int:
+        """Clients with a data request in the last `window` seconds (the active-clients gauge)."""
+        since = time.time() - window
+        with self._lock:
+            return sum(1 for _, last in self._clients.values() if last >= since)
 
     def snapshot(self) -> Activity:
         with self._lock:
-            recent = list(self._clients.items())[-MAX_LISTED:]
+            recent = list(itertools.islice(reversed(self._clients.items()), MAX_LISTED))
             return Activity(
                 requests=self._requests,
                 last_request_at=self._last,
+                in_flight=self._in_flight,
                 clients=tuple(
                     ClientActivity(id=client, requests=requests, last_request_at=last)
-                    for client, (requests, last) in reversed(recent)
+                    for client, (requests, last) in recent
                 ),
             )
 

@@ -3,6 +3,7 @@ for data routes, the count of the request in the server's activity (activity.py)
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -27,9 +28,11 @@ async def loaded_target(state: StateDep) -> LoadedTarget:
 TargetDep = Annotated[LoadedTarget, Depends(loaded_target)]
 
 
-async def counted(request: Request, state: StateDep) -> None:
-    """A data request: counted for its client (what tells a used target from an idle one)."""
-    state.activity.record(client_of(request.headers, request.client.host if request.client else None))
+async def counted(request: Request, state: StateDep) -> AsyncIterator[None]:
+    """A data request: counted for its client and in flight while it is handled (what tells a used target
+    from an idle one)."""
+    with state.activity.request(client_of(request.headers, request.client.host if request.client else None)):
+        yield
 
 
 # For the routes whose requests are data requests (dependencies=[Counted]).

@@ -46,6 +46,11 @@ class ServerMetrics:
         self.queue_depth = Gauge(
             "eagle3_queue_depth", "Supervision requests waiting for the engine.", registry=r
         )
+        self.active_clients = Gauge(
+            "eagle3_active_clients",
+            "Distinct clients with a data request in the last 10 minutes (protocol.CONSUMER_WINDOW_SECONDS).",
+            registry=r,
+        )
         self.ready = Gauge("eagle3_ready", "1 once the model is loaded and the canary passed.", registry=r)
         self.model_info = Info("eagle3_model", "Identity of the served target model.", registry=r)
 

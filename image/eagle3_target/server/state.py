@@ -33,6 +33,7 @@ class ServerState:
         self.settings = settings
         self.metrics = ServerMetrics()
         self.activity = ActivityLog()
+        self.metrics.active_clients.set_function(self.activity.active)
         self.worker = EngineWorker(
             max_queue=settings.max_queue, max_batch_tokens=settings.max_batch_tokens, metrics=self.metrics
         )

@@ -40,17 +40,19 @@ def build_children(
     pod_monitor_supported: bool,
     neighbours: Neighbours = Neighbours(),
     hydrated: bool = True,
+    idle: bool = False,
     pin: ImagePin = ImagePin(),
 ) -> list[dict[str, Any]]:
     """Everything the target should own now, each stamped with its digest; an owned kind missing from the
     list should be deleted.
 
-    `hydrated`: whether a huggingFace source's hydration Job has completed (always true for other sources).
+    `hydrated`: whether a huggingFace source's hydration Job has completed (always true for other sources);
+    `idle`: whether the target is scaled to zero for idleness (status.idle).
     """
     if spec.external:
         return []
     owner = owner_reference(name, uid)
-    deployment = build_deployment(name, namespace, spec, owner, pin, hydrated=hydrated)
+    deployment = build_deployment(name, namespace, spec, owner, pin, hydrated=hydrated, idle=idle)
     children = [deployment, build_service(name, namespace, spec, owner)]
     optional = [
         build_hydration_job(name, namespace, spec, owner, pin),

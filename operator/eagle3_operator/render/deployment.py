@@ -141,10 +141,12 @@ def build_deployment(
     pin: ImagePin = ImagePin(),
     *,
     hydrated: bool = True,
+    idle: bool = False,
 ) -> dict[str, Any]:
     """One pod per replica. By default updates replace pods one at a time without surging: GPUs are the
     constraint (spec.rollout changes that where spare GPUs are certain). Until the model cache is hydrated
-    no pod is asked for: it would only hold its GPUs while it waits."""
+    no pod is asked for: it would only hold its GPUs while it waits; nor while the target is idle
+    (status/idle.py)."""
     rollout = {"maxSurge": spec.rollout.max_surge, "maxUnavailable": spec.rollout.max_unavailable}
     metadata = child_metadata(child_name(name), name, namespace, owner)
     metadata["annotations"] = {ANNOTATION_SERVER_IMAGE: pin.image}
@@ -157,7 +159,7 @@ def build_deployment(
         "kind": "Deployment",
         "metadata": metadata,
         "spec": {
-            "replicas": spec.effective_replicas if hydrated else 0,
+            "replicas": spec.effective_replicas if hydrated and not idle else 0,
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rollout},
             "revisionHistoryLimit": 3,

@@ -10,8 +10,9 @@ import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
-from eagle3_target.protocol import ServedModel
+from eagle3_target.protocol import Activity, ServedModel
 
 from eagle3_operator.spec import Eagle3TargetSpec
 
@@ -116,6 +117,9 @@ class ProbeResult:
     reachable: bool = True
     progress: str | None = None  # a loading server's own account of its load (the message of its 503)
     timed_out: bool = False  # the probe ran out of time (the prober then keeps the endpoint apart)
+    # What a ready server's /readyz said about its data requests (None: it did not say). Not compared: a
+    # new request is no new verdict (the prober asks for a pass when the set of clients changes).
+    activity: Activity | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class Observation:
     identity: tuple[str, ...] = ()  # render.server_command.model_identity of the current spec's command
     apply_failure: Failure | None = None  # the API server refused to apply a child (or one is not ours)
     awaiting_download: bool = False  # a running download's progress has not been polled yet
+    idle: Mapping[str, Any] | None = None  # status.idle: scaled to zero for idleness (status/idle.py)
+    consumers: Mapping[str, Any] | None = None  # status.consumers (status/idle.py)
 
     @property
     def awaiting_verdicts(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_operator.status.conditions import NOT_DEGRADED, Condition, failed, quiet
+from eagle3_operator.status.idle import idle_message
 from eagle3_operator.status.observation import (
     EPOCH,
     NOT_PROBED_YET,
@@ -36,6 +37,8 @@ OBSERVED_KEYS = (
     "readyDesired",
     "selector",
     "model",
+    "idle",
+    "consumers",
 )
 
 
@@ -80,6 +83,7 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> TargetS
         "updatedReplicas": 1,
         "readyDesired": f"{int(ready)}/1",
         "model": probe.info.to_status() if ready and probe is not None and probe.info else None,
+        "consumers": observation.consumers,
     }
     if spec.suspend:
         return TargetState(
@@ -100,7 +104,7 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> TargetS
 
 
 def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: datetime) -> TargetState:
-    desired = spec.effective_replicas
+    desired = 0 if observation.idle is not None else spec.effective_replicas
     deployment = observation.deployment
     pods = sorted((p for p in observation.pods if not p.terminating), key=lambda p: p.name)
     serving = [pod for pod in pods if _serving(pod, observation)]
@@ -125,6 +129,8 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
         "readyDesired": f"{len(serving)}/{desired}",
         "selector": observation.selector,
         "model": infos[0].to_status() if infos else None,
+        "idle": observation.idle,
+        "consumers": observation.consumers,
     }
     rolled_out = (
         deployment is not None
@@ -136,6 +142,8 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     )
     if spec.suspend:
         return _suspended_state(observation, fields)
+    if observation.idle is not None:
+        return _idle_state(observation, spec, fields)
     progress = f"{len(serving)}/{desired} replicas serving"
     fingerprints = sorted({info.fingerprint for info in infos})
     offered = len(fingerprints) == 1 and desired > 0  # scaled to zero, the pods left are only stopping
@@ -201,6 +209,22 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> Target
         "Degraded": NOT_DEGRADED,
     }
     return TargetState("Suspended", conditions, fields, None)
+
+
+def _idle_state(observation: Observation, spec: Eagle3TargetSpec, fields: dict[str, Any]) -> TargetState:
+    remaining = len(observation.pods)
+    message = idle_message(spec)
+    progressing = (
+        Condition("True", "Idle", f"{message}; {remaining} pods still stopping")
+        if remaining
+        else Condition("False", "Idle", message)
+    )
+    conditions = {
+        "Ready": Condition("False", "Idle", message),
+        "Progressing": progressing,
+        "Degraded": NOT_DEGRADED,
+    }
+    return TargetState("Idle", conditions, fields, None)
 
 
 def _serving(pod: PodView, observation: Observation) -> bool:

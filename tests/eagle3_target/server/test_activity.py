@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import httpx
 import pytest
@@ -40,6 +41,13 @@ def test_data_requests_count_per_client_and_probes_do_not(server):
     assert by_id(after)["trainer-a/1-aa"] == 2 and by_id(after)["trainer-b/7-bb"] == 1
     assert after.clients[0].id == "trainer-b/7-bb"  # the most recent first
     assert before.last_request_at is None or after.last_request_at > before.last_request_at
+    assert after.in_flight == 0
+    gauge = next(
+        line
+        for line in httpx.get(server.url + "/metrics").text.splitlines()
+        if line.startswith("eagle3_active_clients ")
+    )
+    assert float(gauge.split()[1]) >= 2  # trainer-a and trainer-b, within the window
 
 
 def test_target_client_names_its_process_and_nemo_counts_by_peer(server):
@@ -57,14 +65,34 @@ def test_target_client_names_its_process_and_nemo_counts_by_peer(server):
 def test_the_log_is_bounded_and_ids_are_cut():
     log = ActivityLog()
     for n in range(MAX_CLIENTS + 5):
-        log.record(f"c{n}")
+        record(log, f"c{n}")
     seen = log.snapshot()
     assert seen.requests == MAX_CLIENTS + 5 and len(seen.clients) == MAX_LISTED
     assert seen.clients[0].id == f"c{MAX_CLIENTS + 4}"
-    log.record("c0")  # forgotten long ago: counted again from 1
+    record(log, "c0")  # forgotten long ago: counted again from 1
     assert log.snapshot().clients[0].requests == 1
     assert client_of({CLIENT_HEADER: "x" * 1000}, "10.0.0.1") == "x" * MAX_ID_LENGTH
     assert client_of({}, "10.0.0.1") == "peer 10.0.0.1"
+
+
+def record(log: ActivityLog, client: str) -> None:
+    with log.request(client):
+        pass
+
+
+def test_a_request_is_in_flight_until_it_ends_and_its_end_is_the_last_activity():
+    log = ActivityLog()
+    with log.request("a"):
+        during = log.snapshot()
+        time.sleep(0.01)
+    after = log.snapshot()
+    assert during.in_flight == 1 and after.in_flight == 0
+    assert during.last_request_at is not None and after.last_request_at is not None
+    assert after.last_request_at > during.last_request_at
+    with pytest.raises(RuntimeError), log.request("b"):
+        raise RuntimeError("a failed request still ends")
+    assert log.snapshot().in_flight == 0 and log.active() == 2
+    assert log.active(window=0) == 0
 
 
 @pytest.mark.parametrize("name", ["", "job-7"])
