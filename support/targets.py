@@ -4,11 +4,13 @@ statuses written by hand where no operator runs."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import kubernetes
 from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 
+from support.cluster import nodes
 from support.cluster.access import Cluster
 
 T = TypeVar("T")
@@ -60,6 +62,25 @@ def target_manifest(name: str, port: int, **spec: Any) -> dict[str, Any]:
             "replicas": 1,
             "port": port,
             "startupTimeoutSeconds": 600,
+        }
+        | spec,
+    }
+
+
+def kubelet_target_manifest(name: str, model_dir: Path, **spec: Any) -> dict[str, Any]:
+    """A target whose one pod the test kubelet runs (support/kubelet.py), serving `model_dir` (a hostPath)
+    with the hf engine."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Eagle3Target",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": str(model_dir)}}},
+            "engine": "hf",
+            "tensorParallelSize": 1,
+            "replicas": 1,
+            "port": 18000,
+            **nodes.kubelet_placement(),
         }
         | spec,
     }

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import secrets
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import kubernetes
 import pytest
@@ -20,6 +21,7 @@ from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
 from support.cluster import nodes
 from support.cluster.access import Cluster
 from support.cluster.waiting import eventually, free_port
+from support.kubelet import Kubelet
 from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
 from support.targets import Targets
@@ -107,3 +109,13 @@ def kubelet_node(cluster: Cluster) -> str:
             raise
     eventually(lambda: nodes.all_schedulable(cluster.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
     return nodes.KUBELET_NODE
+
+
+@pytest.fixture
+def kubelet(cluster: Cluster, kubelet_node: str, op_namespace: str, tmp_path: Path) -> Iterator[Kubelet]:
+    """The test kubelet running the server containers of the pods bound to its node in `op_namespace`."""
+    runner = Kubelet(kubernetes.client.CoreV1Api(cluster.api_client), op_namespace, tmp_path)
+    try:
+        yield runner
+    finally:
+        runner.close()

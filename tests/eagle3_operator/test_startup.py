@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,48 +18,21 @@ import pytest
 import torch
 from eagle3_target.client import TargetClient, resolve
 from eagle3_target.contract import build_batch
-from eagle3_target.protocol import API_VERSION, EXIT_LOAD_FAILED, GROUP, PLURAL, VERSION
+from eagle3_target.protocol import EXIT_LOAD_FAILED, GROUP, PLURAL, VERSION
 from eagle3_target.runners import load_runner
 from eagle3_target.tiny import write_tiny_model
 
-from support.cluster import nodes
 from support.cluster.access import Cluster
 from support.cluster.waiting import eventually
 from support.kubelet import Kubelet
 from support.supervision import token_batch
+from support.targets import kubelet_target_manifest
 from support.vllm_runner import CPU_ENGINE_ARGS
 
 pytestmark = pytest.mark.usefixtures("operator")
 
 REPORT_SECONDS = 60  # the issue's promise: the server's reason is in the target's status within a minute
 VLLM_READY_SECONDS = 300  # a vLLM engine's start on a loaded two-core machine, with room
-
-
-@pytest.fixture
-def kubelet(cluster: Cluster, kubelet_node: str, op_namespace: str, tmp_path: Path) -> Iterator[Kubelet]:
-    runner = Kubelet(kubernetes.client.CoreV1Api(cluster.api_client), op_namespace, tmp_path)
-    try:
-        yield runner
-    finally:
-        runner.close()
-
-
-def on_kubelet(name: str, model_dir: Path, **spec: Any) -> dict[str, Any]:
-    """A target whose one pod the test kubelet runs, serving `model_dir` (a hostPath) with the hf engine."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Eagle3Target",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"name": "tiny-llama", "source": {"hostPath": {"path": str(model_dir)}}},
-            "engine": "hf",
-            "tensorParallelSize": 1,
-            "replicas": 1,
-            "port": 18000,
-            **nodes.kubelet_placement(),
-        }
-        | spec,
-    }
 
 
 def create(cluster: Cluster, namespace: str, manifest: dict[str, Any]) -> None:
@@ -120,7 +92,9 @@ def assert_load_failure_reported(
 def test_a_wrong_engine_argument_reaches_the_targets_status(
     cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_llama_dir: Path
 ):
-    manifest = on_kubelet("bad-arg", tiny_llama_dir, engine="vllm", engineArgs={"no_such_arg": "2"})
+    manifest = kubelet_target_manifest(
+        "bad-arg", tiny_llama_dir, engine="vllm", engineArgs={"no_such_arg": "2"}
+    )
     create(cluster, op_namespace, manifest)
     line = "unknown engine argument no_such_arg; supported: "
     assert_load_failure_reported(cluster, kubelet, op_namespace, "bad-arg", line)
@@ -131,7 +105,7 @@ def test_an_empty_model_directory_reaches_the_targets_status(
 ):
     empty = tmp_path / "empty-volume"
     empty.mkdir()
-    create(cluster, op_namespace, on_kubelet("no-model", empty))
+    create(cluster, op_namespace, kubelet_target_manifest("no-model", empty))
     # The volume is mounted at /models in a real pod; this kubelet hands the server the host directory.
     line = f"{empty} has no config.json, so it is not a Hugging Face model directory; point --model at"
     assert_load_failure_reported(cluster, kubelet, op_namespace, "no-model", line)
@@ -156,7 +130,7 @@ def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
     assert len(shards) >= 2
     withheld = tmp_path / "withheld.safetensors"
     shards[-1].rename(withheld)
-    create(cluster, op_namespace, on_kubelet("arriving", model))
+    create(cluster, op_namespace, kubelet_target_manifest("arriving", model))
     expected = f"waiting for weights: {len(shards) - 1} of {len(shards)} weight files present"
 
     def progressing() -> str | None:
@@ -180,7 +154,7 @@ def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
 def test_a_vllm_target_goes_ready_and_serves_what_the_hf_engine_computes(
     cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_llama_dir: Path
 ):
-    manifest = on_kubelet(
+    manifest = kubelet_target_manifest(
         "vllm", tiny_llama_dir, engine="vllm", engineArgs=dict(CPU_ENGINE_ARGS), startupTimeoutSeconds=600
     )
     manifest["spec"]["model"]["dtype"] = "float32"

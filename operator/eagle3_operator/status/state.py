@@ -143,7 +143,7 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     if spec.suspend:
         return _suspended_state(observation, fields)
     if observation.idle is not None:
-        return _idle_state(observation, spec, fields)
+        return _idle_state(spec, fields)
     progress = f"{len(serving)}/{desired} replicas serving"
     fingerprints = sorted({info.fingerprint for info in infos})
     offered = len(fingerprints) == 1 and desired > 0  # scaled to zero, the pods left are only stopping
@@ -211,20 +211,10 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> Target
     return TargetState("Suspended", conditions, fields, None)
 
 
-def _idle_state(observation: Observation, spec: Eagle3TargetSpec, fields: dict[str, Any]) -> TargetState:
-    remaining = len(observation.pods)
-    message = idle_message(spec)
-    progressing = (
-        Condition("True", "Idle", f"{message}; {remaining} pods still stopping")
-        if remaining
-        else Condition("False", "Idle", message)
-    )
-    conditions = {
-        "Ready": Condition("False", "Idle", message),
-        "Progressing": progressing,
-        "Degraded": NOT_DEGRADED,
-    }
-    return TargetState("Idle", conditions, fields, None)
+def _idle_state(spec: Eagle3TargetSpec, fields: dict[str, Any]) -> TargetState:
+    """Scaled to zero for idleness: settled from the start (its pods' stopping is no progress to report), so
+    going idle is one event."""
+    return TargetState("Idle", quiet("False", "Idle", idle_message(spec)), fields, None)
 
 
 def _serving(pod: PodView, observation: Observation) -> bool:

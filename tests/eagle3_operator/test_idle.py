@@ -1,0 +1,170 @@
+"""Idle targets on the real control plane, with real server processes in their pods (the test kubelet): a
+target nobody pulls from goes to zero pods a window after the last data request, not before and not later
+for an operator restart; trainers pulling keep it serving and show as consumers; resolve() wakes it, unless
+told not to or not allowed to."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes
+import pytest
+from eagle3_target.client import ResolveTimeout, TargetAccessForbidden, resolve
+from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, CLIENT_HEADER, GROUP, PLURAL
+
+from support.cluster.access import Cluster
+from support.cluster.waiting import eventually
+from support.kubelet import Kubelet
+from support.operator_process import OperatorProcess
+from support.supervision import supervise, token_batch
+from support.targets import Targets, condition, kubelet_target_manifest
+
+WINDOW = 12  # seconds without a data request before the target goes idle
+TRAINERS = ("trainer-a/11-aa", "trainer-b/22-bb")
+START_SECONDS = 120  # a tiny model's server start on a loaded two-core machine, with room
+
+
+def status_of(targets: Targets, name: str) -> dict[str, Any]:
+    return (targets.get(name) or {}).get("status") or {}
+
+
+def pull(url: str, client: str) -> None:
+    ids, mask, _ = token_batch(seed=5, batch=1, seq=8)
+    with httpx.Client(headers={CLIENT_HEADER: client}, timeout=60) as session:
+        supervise(session, url, {"input_ids": ids, "attention_mask": mask})
+
+
+def idle_since(status: dict[str, Any]) -> float | None:
+    since = (status.get("idle") or {}).get("since")
+    return datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() if since else None
+
+
+def assert_scaled_to_zero(targets: Targets, kubelet: Kubelet, name: str) -> dict[str, Any]:
+    """Idle as users see it: Ready and Available False with reason Idle, the Deployment and its pods gone to
+    zero while spec.replicas stays, an event, and `kubectl get`'s columns."""
+    status = status_of(targets, name)
+    for kind in ("Ready", "Available"):
+        assert (condition(status, kind)["status"], condition(status, kind)["reason"]) == ("False", "Idle")
+    assert "resolve() wakes it" in condition(status, "Ready")["message"]
+    assert targets.get(name)["spec"]["replicas"] == 1
+    deployment = targets.deployment(name)
+    assert deployment is not None and deployment.spec.replicas == 0
+    eventually(lambda: not targets.pods(name), "the idle target's pods gone")
+    eventually(
+        lambda: all(c.process is None or c.process.poll() is not None for c in kubelet.containers.values()),
+        "the server processes ended",
+    )
+    assert [e.reason for e in targets.events(name) if e.reason == "Idle"] == ["Idle"]
+    row = targets.cluster.kubectl("get", "e3t", name, "-n", targets.namespace).stdout.splitlines()
+    assert row[1].split()[1:3] == ["False", "Idle"], row
+    return status
+
+
+def test_trainers_keep_a_target_serving_and_it_idles_a_window_after_the_last_request(
+    targets: Targets, kubelet: Kubelet, operator: OperatorProcess, tiny_llama_dir: Path
+):
+    targets.create(kubelet_target_manifest("sleepy", tiny_llama_dir, idle={"scaleToZeroAfter": f"{WINDOW}s"}))
+    status = eventually(lambda: targets.ready_status("sleepy"), "sleepy Ready", timeout=START_SECONDS)
+    url = status["endpoints"][0]["address"]
+
+    # Two trainers pulling every 2 s for two windows: the target keeps serving, and has two consumers.
+    pulling_until = time.monotonic() + 2 * WINDOW
+    while True:
+        for trainer in TRAINERS:
+            pull(url, trainer)
+        last_request = time.time()
+        assert condition(status_of(targets, "sleepy"), "Ready")["status"] == "True"
+        if time.monotonic() > pulling_until:
+            break
+        time.sleep(2)
+    consumers = eventually(
+        lambda: (c := status_of(targets, "sleepy").get("consumers") or {}).get("active") == 2 and c,
+        "two consumers in status",
+    )
+    assert consumers["clients"] == sorted(TRAINERS) and consumers["windowSeconds"] == 600
+    row = targets.cluster.kubectl("get", "e3t", "sleepy", "-n", targets.namespace).stdout.splitlines()
+    header, values = row[0].split(), row[1].split()
+    assert values[header.index("CONSUMERS")] == "2"
+    described = targets.cluster.kubectl("describe", "e3t", "sleepy", "-n", targets.namespace).stdout
+    assert all(trainer in described for trainer in TRAINERS)
+
+    # The operator restarts in the middle of the window: the clock is the servers' and the status's, not
+    # the process's, so the target idles a window after the last request, not a window after the restart.
+    time.sleep(3)
+    operator.kill()
+    restarted = time.time()
+    operator.start()
+    while (since := idle_since(status_of(targets, "sleepy"))) is None:
+        assert time.time() < last_request + WINDOW + 30, "not idle half a minute after its window"
+        time.sleep(0.5)
+    assert last_request + WINDOW - 1 <= since < restarted + WINDOW - 1, (last_request, restarted, since)
+    assert_scaled_to_zero(targets, kubelet, "sleepy")
+    assert operator.metric_total("eagle3_operator_idle_scale_downs_total") == 1
+
+
+def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
+    cluster: Cluster,
+    targets: Targets,
+    kubelet: Kubelet,
+    operator: OperatorProcess,
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+):
+    namespace = targets.namespace
+    targets.create(kubelet_target_manifest("napper", tiny_llama_dir, idle={"scaleToZeroAfter": "5s"}))
+    # Nobody pulls: idle 5 s after it became Available.
+    eventually(lambda: idle_since(status_of(targets, "napper")), "napper idle", timeout=START_SECONDS + 30)
+    assert_scaled_to_zero(targets, kubelet, "napper")
+
+    with pytest.raises(ResolveTimeout, match="reason='Idle'"):
+        resolve("napper", namespace, wait=3, kubeconfig=str(cluster.kubeconfig), wake=False)
+    assert ANNOTATION_WAKE_REQUESTED not in (targets.get("napper")["metadata"].get("annotations") or {})
+
+    reader = read_only_kubeconfig(cluster, namespace, tmp_path)
+    eventually(lambda: may_read(reader, namespace, "napper"), "the reader's role in effect")
+    with pytest.raises(TargetAccessForbidden, match=re.escape("waking it needs `patch` on eagle3targets.eagle3.dev")):
+        resolve("napper", namespace, wait=3, kubeconfig=str(reader))
+    assert status_of(targets, "napper").get("idle")
+
+    began = time.monotonic()
+    woken = resolve("napper", namespace, wait=START_SECONDS, kubeconfig=str(cluster.kubeconfig))
+    wake_seconds = time.monotonic() - began
+    print(json.dumps({"wake_seconds": round(wake_seconds, 1)}))  # the issue's figure: resolve to endpoints
+    assert woken.endpoints
+    pull(woken.endpoints[0], "trainer-c/33-cc")
+    status = status_of(targets, "napper")
+    assert "idle" not in status and condition(status, "Available")["status"] == "True"
+    assert [e.reason for e in targets.events("napper") if e.reason == "Idle"] == ["Idle"]
+    assert operator.metric_total("eagle3_operator_wake_ups_total") == 1
+
+
+def may_read(kubeconfig: Path, namespace: str, name: str) -> bool:
+    try:
+        resolve(name, namespace, wait=0, kubeconfig=str(kubeconfig), wake=False)
+    except ResolveTimeout:
+        return True
+    except TargetAccessForbidden:
+        return False
+    raise AssertionError("an idle target resolved")
+
+
+def read_only_kubeconfig(cluster: Cluster, namespace: str, tmp_path: Path) -> Path:
+    """A service account that may read targets (as Kubernetes' view role does) but not patch them."""
+    core = kubernetes.client.CoreV1Api(cluster.api_client)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(cluster.api_client)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
+    rule = {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch"]}
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "reader"}, "rules": [rule]})
+    binding = {
+        "metadata": {"name": "reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+    }
+    rbac.create_namespaced_role_binding(namespace, binding)
+    return cluster.write_service_account_kubeconfig(namespace, "reader", tmp_path / "reader-kubeconfig")
