@@ -93,6 +93,7 @@ GOOD_SPECS = {
         shmSize="64Gi",
         securityContext={"runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
         rollout={"maxSurge": "25%", "maxUnavailable": 0},
+        idle={"scaleToZeroAfter": "1h30m"},
     ),
     "platform ids and integer shm": with_model(
         PVC, securityContext={"platformAssignedIds": True}, shmSize=2**34
@@ -204,6 +205,15 @@ BAD_SPECS = {
         ),
         "volumeMounts must not be at, under or above",
     ),
+    "idle window too short": (
+        with_model(PVC, idle={"scaleToZeroAfter": "4s"}),
+        "idle.scaleToZeroAfter must be at least 5s",
+    ),
+    "idle window not a duration": (with_model(PVC, idle={"scaleToZeroAfter": "2 hours"}), "scaleToZeroAfter"),
+    "idle external target": (
+        {"endpoint": {"url": "http://10.0.0.5:8000"}, "idle": {"scaleToZeroAfter": "1h"}},
+        "an endpoint.url target has none",
+    ),
     "mount of a missing volume": (
         with_model(PVC, volumeMounts=[{"name": "nowhere", "mountPath": "/cache"}]),
         "volumeMounts must name a volume of spec.volumes",
@@ -311,6 +321,7 @@ def publish_status(target_api, namespace: str, name: str, ready: str) -> None:
         "readyReplicas": 2 if ready == "True" else 0,
         "readyDesired": "2/2" if ready == "True" else "0/2",
         "selector": label_selector(name),
+        "consumers": {"active": 2, "windowSeconds": 600, "clients": ["job-a/1-aa", "job-b/2-bb"]},
     }
     target_api.status.patch(
         body={"status": status}, name=name, namespace=namespace, content_type="application/merge-patch+json"
@@ -322,9 +333,20 @@ def test_status_scale_printer_columns_and_wait(cluster, target_api, namespace):
     publish_status(target_api, namespace, "served", "False")
 
     table = cluster.kubectl("get", "e3t", "served", "-n", namespace).stdout.splitlines()
-    header = ["NAME", "READY", "REASON", "AVAILABLE", "READY/DESIRED", "ENGINE", "MODEL", "URL", "AGE"]
+    header = [
+        "NAME",
+        "READY",
+        "REASON",
+        "AVAILABLE",
+        "READY/DESIRED",
+        "ENGINE",
+        "MODEL",
+        "CONSUMERS",
+        "URL",
+        "AGE",
+    ]
     assert table[0].split() == header
-    assert table[1].split()[:8] == [
+    assert table[1].split()[:9] == [
         "served",
         "False",
         "ModelLoading",
@@ -332,6 +354,7 @@ def test_status_scale_printer_columns_and_wait(cluster, target_api, namespace):
         "0/2",
         "vllm",
         "org/tiny",
+        "2",
         f"http://served.{namespace}.svc:8000",
     ]
     wide = cluster.kubectl("get", "e3t", "served", "-n", namespace, "-o", "wide").stdout

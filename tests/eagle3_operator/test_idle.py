@@ -128,7 +128,8 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
 
     reader = read_only_kubeconfig(cluster, namespace, tmp_path)
     eventually(lambda: may_read(reader, namespace, "napper"), "the reader's role in effect")
-    with pytest.raises(TargetAccessForbidden, match=re.escape("waking it needs `patch` on eagle3targets.eagle3.dev")):
+    needs_patch = re.escape("waking it needs `patch` on eagle3targets.eagle3.dev")
+    with pytest.raises(TargetAccessForbidden, match=needs_patch):
         resolve("napper", namespace, wait=3, kubeconfig=str(reader))
     assert status_of(targets, "napper").get("idle")
 
