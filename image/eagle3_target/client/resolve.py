@@ -211,6 +211,7 @@ def resolve(
         if wake and not woken and idle(obj):
             request_wake(api, resource, obj)
             woken = True
+        if woken:
             why = f"{why}; woken from idle, waiting for scheduling and a model load"
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -21,7 +21,7 @@ from eagle3_target.client import (
     resolve,
 )
 from eagle3_target.client.resolve import TargetResource, readiness
-from eagle3_target.protocol import GROUP, PLURAL, VERSION
+from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION
 
 from support.cluster.waiting import free_port
 from support.targets import create_target, target_status, write_status
@@ -281,3 +281,31 @@ def test_resolve_returns_a_serving_target_at_once_and_waits_for_ready_only_when_
     assert as_urls.stdout.split() == ["http://127.0.0.2:8000"]
     strict = subprocess.run([*cli, "--require", "Ready"], capture_output=True, text=True, env=env)
     assert strict.returncode != 0 and "not Ready" in strict.stderr
+
+
+def test_resolve_sets_the_wake_annotation_of_an_idle_target_unless_told_not_to(cluster, namespace, objects):
+    """The CLI plays a training job against a target the operator has scaled to zero for idleness."""
+    create_target(objects, namespace, "idle")
+    status = target_status(1, "False", "Idle") | {"idle": {"since": "2026-01-01T00:00:00Z"}}
+    write_status(objects, namespace, "idle", status)
+
+    def cli(*flags: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "eagle3_target.cli", "resolve", "idle", "-n", namespace, *flags]
+        env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+
+    def annotation() -> str | None:
+        body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "idle")
+        return (body["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)
+
+    refused = cli("--no-wake")
+    assert refused.returncode == 1 and "reason='Idle'" in refused.stderr and "from idle" not in refused.stderr
+    assert annotation() is None
+    woken = cli("--wait", "1")
+    assert (
+        woken.returncode == 1 and "woken from idle, waiting for scheduling and a model load" in woken.stderr
+    )
+    first = annotation()
+    assert first is not None
+    cli("--wait", "0")
+    assert annotation() not in (None, first)  # each wake is a new value, whatever the clocks say
