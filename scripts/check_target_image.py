@@ -22,6 +22,7 @@ import httpx
 import torch
 from eagle3_operator.constants import SCRATCH_MOUNT
 from eagle3_operator.render.pod_parts import RUN_AS_USER, SCRATCH_ENV
+from eagle3_target.protocol import EXIT_LOAD_FAILED
 from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import load, save
 
@@ -85,11 +86,15 @@ def check_termination_message(image: str, model_dir: Path) -> str:
     argv = ["eagle3-target", "serve", "--model", "/models/tiny/missing", "--engine", "hf", "--host", LOOPBACK]
     argv += ["--port", str(free_port())]
     with ReadOnlyContainer(image, writable=[SCRATCH_MOUNT], binds={model_dir: MODEL}) as ctr:
+        # A kubelet creates the file before the container starts; the server writes only into one that exists.
+        log = ctr.host_path(TERMINATION_LOG)
+        log.touch()
+        log.chmod(0o666)
         result = subprocess.run(
             ctr.run_argv(argv, env=serve_env()), capture_output=True, text=True, timeout=300
         )
-        message = ctr.host_path(TERMINATION_LOG).read_text()
-    assert result.returncode != 0 and message, (result.returncode, message)
+        message = log.read_text().strip()
+    assert result.returncode == EXIT_LOAD_FAILED and "does not exist" in message, (result, message)
     return message
 
 
