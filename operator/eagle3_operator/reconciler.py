@@ -1,13 +1,12 @@
 """One level-based reconcile per target: children in place, probe results read, status written on change.
 
-Every trigger (the target changed, a child or pod changed, a probe result or a download's progress moved)
-just asks for a pass over one target, through one work queue (workqueue.py): requests that arrive while a
-pass runs fold into a single follow-up pass, and each pass returns when it wants to run again (a startup
-deadline, the end of a refused apply's backoff, the end of a wait for first probe verdicts, the end of
-an idle window), so the queue
-holds every timer and retry there is. A pass reads only in-memory state (kopf's indexes of the target, its
-children and its pods, see indexes.py, and the prober's latest results), so it makes API calls only to
-change something: a child that differs from what is rendered (or is missing, or should not exist) is
+Every trigger (the target changed, a child or pod changed, a probe result or a download's progress moved) just
+asks for a pass over one target, through one work queue (workqueue.py): requests that arrive while a pass runs
+fold into a single follow-up pass, and each pass returns when it wants to run again (a startup deadline, the
+end of a refused apply's backoff, the end of a wait for first probe verdicts, the end of an idle window), so
+the queue holds every timer and retry there is. A pass reads only in-memory state (kopf's indexes of the
+target, its children and its pods, see indexes.py, and the prober's latest results), so it makes API calls
+only to change something: a child that differs from what is rendered (or is missing, or should not exist) is
 applied or deleted (child_applier.py), and the status is patched with just the keys that changed. Probing
 never happens inside a pass (probe.py), so a hung server cannot hold a reconcile worker.
 """

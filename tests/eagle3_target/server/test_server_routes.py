@@ -28,7 +28,12 @@ from support.supervision import (
 def test_probes_and_info(server, server_model_dir, reference_runner):
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/readyz").json()
-    assert ready["status"] == "ready" and set(ready["activity"]) == {"requests", "lastRequestAt", "clients"}
+    assert ready["status"] == "ready" and set(ready["activity"]) == {
+        "requests",
+        "lastRequestAt",
+        "inFlight",
+        "clients",
+    }
     info = httpx.get(server.url + "/v1/info").json()
     config = reference_runner.model.config
     assert info["model"] == "tiny-llama"
