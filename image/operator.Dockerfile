@@ -6,17 +6,19 @@
 ARG BASE=python:3.12.12-slim-bookworm
 FROM ${BASE} AS build
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# uv trusts the system CA store, so a build behind a TLS-inspecting proxy works (image/build.sh mounts its CA).
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1
 WORKDIR /src
-# The distribution's metadata, both packages (setuptools finds them under image/ and operator/) and the
-# constraints file that pins every package the operator installs (scripts/image_constraints.py).
+# The distribution's metadata, both packages (setuptools finds them under image/ and operator/) and the lock
+# that pins, with hashes, every package the operator installs: the versions the tests ran with.
 COPY pyproject.toml README.md ./
-COPY image/constraints/operator.txt image/constraints/operator.txt
+COPY locks/uv.txt locks/operator.txt locks/
 COPY image/eagle3_target/ image/eagle3_target/
 COPY operator/eagle3_operator/ operator/eagle3_operator/
-RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --progress-bar off "pip==26.0.1" \
-    && /opt/venv/bin/pip install --progress-bar off --constraint image/constraints/operator.txt ".[operator]"
+RUN python3 -m venv /tmp/uv && /tmp/uv/bin/pip install --quiet --no-deps --require-hashes -r locks/uv.txt \
+    && /tmp/uv/bin/uv venv --quiet --python python3 /opt/venv \
+    && /tmp/uv/bin/uv pip sync --python /opt/venv/bin/python --require-hashes locks/operator.txt \
+    && /tmp/uv/bin/uv pip install --python /opt/venv/bin/python --no-deps .
 
 FROM ${BASE}
 

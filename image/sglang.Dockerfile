@@ -5,17 +5,22 @@
 # and set spec.image (or the chart's image) to it for targets with engine: sglang.
 FROM lmsysorg/sglang:v0.5.23
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY locks/ locks/
+COPY image/keep_base.py image/keep_base.py
 COPY image/eagle3_target/ image/eagle3_target/
 COPY operator/eagle3_operator/ operator/eagle3_operator/
-# SGLang, its kernels and torch stay as the base image installed them: the constraints file pins them, so a
-# requirement of the `server` extra that disagrees fails the build instead of replacing them.
-RUN python3 -m pip freeze | grep -iE '^(sglang|sgl-kernel|sglang-kernel|torch|triton|flashinfer-python)==' \
-        > /tmp/keep-sglang.txt \
-    && python3 -m pip install --constraint /tmp/keep-sglang.txt ".[server]" \
-    && rm -rf /src /tmp/keep-sglang.txt
+# SGLang, its kernels and torch stay as the base image installed them: keep_base.py leaves every package the
+# base has out of the server lock (and fails the build where the base disagrees with a pin of the `server` or
+# `client` extra); the rest is installed at the locked versions, hashes checked.
+RUN python3 -m venv /tmp/uv && /tmp/uv/bin/pip install --quiet --no-deps --require-hashes -r locks/uv.txt \
+    && python3 image/keep_base.py locks/server.txt server client > /tmp/rest.txt \
+    && /tmp/uv/bin/uv pip install --python "$(command -v python3)" --break-system-packages \
+        --no-deps --require-hashes -r /tmp/rest.txt \
+    && /tmp/uv/bin/uv pip install --python "$(command -v python3)" --break-system-packages --no-deps . \
+    && rm -rf /src /tmp/uv /tmp/rest.txt
 
 RUN useradd --uid 10001 --gid 0 --create-home --home-dir /home/eagle3 eagle3 \
     && chmod -R g=u /home/eagle3

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries from the pinned Go wrapper modules in tools/, and kube-score.
+# Builds the local control plane's binaries from the pinned Go module in tools/ (one go.mod for all of them, so
+# the packages they share, most of Kubernetes' client and API types among them, compile once), and kube-score.
 #
-# Each binary is stored once per content key (its module files + flags) in the user cache and linked into
-# .cache/bin/, so a pin change rebuilds only what changed and a fresh clone reuses earlier builds.
-# Go's module and build caches stay in the user cache too; GOTOOLCHAIN=local forbids toolchain downloads.
+#   support/cluster/build-tools.sh demo   # what `make demo` runs: etcd, kube (apiserver, controller-manager,
+#                                         # scheduler, kubectl), kwok, helm
+#   support/cluster/build-tools.sh test   # those and the tests' manifest linter, kube-score
+#
+# Each binary is stored once per content key (the module files + flags) in the user cache and linked into
+# .cache/bin/, so a pin change rebuilds only what changed and a fresh clone reuses earlier builds. The missing
+# binaries of the module are built by one `go build`. Go's module and build caches stay in the user cache too;
+# GOTOOLCHAIN=local forbids toolchain downloads.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -14,61 +20,87 @@ mkdir -p "$store" "$bin"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 export GOMODCACHE=${GOMODCACHE:-$(go env GOMODCACHE)} GOCACHE=${GOCACHE:-$(go env GOCACHE)}
 
-KUBE_VERSION=v1.36.3   # must match tools/kube/go.mod
-HELM_VERSION=v3.22.0   # must match tools/helm/go.mod
+KUBE_VERSION=v1.36.3   # must match tools/go.mod
+HELM_VERSION=v3.21.4   # must match tools/go.mod
 minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
 
-kube_ldflags="-s -w"
+# One set of flags for every binary: the linker skips -X for a package a binary does not hold.
+ldflags="-s -w"
 for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  kube_ldflags+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  ldflags+=" -X $p.gitVersion=$KUBE_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
 done
-helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+ldflags+=" -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
-  helm_ldflags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
+  ldflags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
 
-# build NAME MODULE_DIR PACKAGE LDFLAGS [LINK...]: build once per key, then link NAME and LINKs into .cache/bin.
-build() {
-  local name=$1 dir=$2 pkg=$3 ldflags=$4; shift 4
-  local key
-  key=$( { cat "$here/tools/$dir"/go.{mod,sum}; find "$here/tools/$dir" -name '*.go' -exec cat {} +;
-          echo "$ldflags $(go env GOVERSION)"; } | sha256sum | cut -c1-12)
-  local out="$store/$name-$key"
-  if [ -x "$out" ]; then
-    echo "==> $name: cached ($out)"
-  else
-    echo "==> $name: building (cold builds take minutes; kube is the longest)"
-    local start=$SECONDS
-    (cd "$here/tools/$dir" && go build -trimpath -ldflags "$ldflags" -o "$out.tmp" "$pkg")
-    mv "$out.tmp" "$out"
-    echo "==> $name: built in $((SECONDS - start))s"
+# name -> package in tools/go.mod (the binary go build writes is named after the package's last element).
+declare -A packages=(
+  [etcd]=go.etcd.io/etcd/server/v3
+  [kube]=./kube
+  [kwok]=sigs.k8s.io/kwok/cmd/kwok
+  [helm]=helm.sh/helm/v3/cmd/helm
+)
+declare -A links=([kube]="kube-apiserver kube-controller-manager kube-scheduler kubectl")
+key=$( { cat "$here/tools"/go.{mod,sum}; find "$here/tools" -name '*.go' -exec cat {} +;
+        echo "$ldflags $(go env GOVERSION)"; } | sha256sum | cut -c1-12)
+
+link() { # link NAME STORED: NAME and its links in .cache/bin
+  for name in "$1" ${links[$1]:-}; do ln -sfn "$2" "$bin/$name"; done
+}
+
+# build_module NAME...: the named binaries of tools/go.mod, the missing ones in one `go build`.
+build_module() {
+  local missing=() name
+  for name in "$@"; do
+    if [ -x "$store/$name-$key" ]; then
+      echo "==> $name: cached ($store/$name-$key)"
+    else
+      missing+=("$name")
+    fi
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "==> go build ${missing[*]} (cold: a few minutes, most of it kube-apiserver)"
+    local start=$SECONDS out pkgs=()
+    out=$(mktemp -d "$store/build.XXXXXX")
+    for name in "${missing[@]}"; do pkgs+=("${packages[$name]}"); done
+    (cd "$here/tools" && go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
+    for name in "${missing[@]}"; do
+      local built=${packages[$name]##*/}
+      [ "$built" != v3 ] || built=server  # go.etcd.io/etcd/server/v3: a major-version suffix names no binary
+      mv "$out/$built" "$store/$name-$key"
+    done
+    rmdir "$out"
+    echo "==> go build ${missing[*]}: built in $((SECONDS - start))s"
   fi
-  for link in "$name" "$@"; do ln -sfn "$out" "$bin/$link"; done
+  for name in "$@"; do link "$name" "$store/$name-$key"; done
 }
 
 # install NAME MODULE@VERSION: `go install` of a released command (its own go.sum pins its dependencies),
 # stored once per version and Go toolchain in the same store.
 install() {
-  local name=$1 module=$2 key
-  key=$(echo "$module -trimpath -s -w $(go env GOVERSION)" | sha256sum | cut -c1-12)
-  local out="$store/$name-$key"
-  if [ -x "$out" ]; then
-    echo "==> $name: cached ($out)"
+  local name=$1 module=$2 stored
+  stored="$store/$name-$(echo "$module -trimpath -s -w $(go env GOVERSION)" | sha256sum | cut -c1-12)"
+  if [ -x "$stored" ]; then
+    echo "==> $name: cached ($stored)"
   else
     echo "==> $name: building $module"
     local start=$SECONDS gobin
     gobin=$(mktemp -d)
     GOBIN=$gobin go install -trimpath -ldflags "-s -w" "$module"
-    mv "$gobin/$name" "$out" && rmdir "$gobin"
+    mv "$gobin/$name" "$stored" && rmdir "$gobin"
     echo "==> $name: built in $((SECONDS - start))s"
   fi
-  ln -sfn "$out" "$bin/$name"
+  ln -sfn "$stored" "$bin/$name"
 }
 
-build etcd etcd go.etcd.io/etcd/server/v3 "-s -w"
-build kwok kwok sigs.k8s.io/kwok/cmd/kwok "-s -w"
-build helm helm helm.sh/helm/v3/cmd/helm "$helm_ldflags"
-build kube kube . "$kube_ldflags" kube-apiserver kube-controller-manager kube-scheduler kubectl
-# The manifest linter the chart and rendered-target tests run (tests/charts/test_kube_score.py).
-install kube-score github.com/zegl/kube-score/cmd/kube-score@v1.20.0
+case ${1:-test} in
+  demo) build_module etcd kube kwok helm ;;
+  test)
+    build_module etcd kube kwok helm
+    # The manifest linter the chart and rendered-target tests run (tests/charts/test_kube_score.py).
+    install kube-score github.com/zegl/kube-score/cmd/kube-score@v1.20.0
+    ;;
+  *) echo "usage: $0 [demo|test]" >&2; exit 2 ;;
+esac
 echo "==> tools ready in $bin"

