@@ -34,6 +34,12 @@ for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
   ldflags+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
 
+# Compiled without optimisation or inlining (-N -l) and without debug info: these are test tools, and a cold
+# build of them all takes about 4 minutes on 2 cores instead of 5.5 (an API call or pod start here is as fast; a
+# kubectl or helm run starts about 0.1 s later). GOGC=400 lets the compiler collect its garbage less often.
+gcflags="all=-N -l -dwarf=false"
+export GOGC=400
+
 # name -> package in tools/go.mod (the binary go build writes is named after the package's last element).
 declare -A packages=(
   [etcd]=go.etcd.io/etcd/server/v3
@@ -43,7 +49,7 @@ declare -A packages=(
 )
 declare -A links=([kube]="kube-apiserver kube-controller-manager kube-scheduler kubectl")
 key=$( { cat "$here/tools"/go.{mod,sum}; find "$here/tools" -name '*.go' -exec cat {} +;
-        echo "$ldflags $(go env GOVERSION)"; } | sha256sum | cut -c1-12)
+        echo "$gcflags $ldflags $(go env GOVERSION)"; } | sha256sum | cut -c1-12)
 
 link() { # link NAME STORED: NAME and its links in .cache/bin
   for name in "$1" ${links[$1]:-}; do ln -sfn "$2" "$bin/$name"; done
@@ -64,7 +70,7 @@ build_module() {
     local start=$SECONDS out pkgs=()
     out=$(mktemp -d "$store/build.XXXXXX")
     for name in "${missing[@]}"; do pkgs+=("${packages[$name]}"); done
-    (cd "$here/tools" && go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
+    (cd "$here/tools" && go build -trimpath -gcflags "$gcflags" -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
     for name in "${missing[@]}"; do
       local built=${packages[$name]##*/}
       [ "$built" != v3 ] || built=server  # go.etcd.io/etcd/server/v3: a major-version suffix names no binary
