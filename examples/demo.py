@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -201,6 +202,9 @@ def main(
         raise typer.BadParameter(f"expected one of {', '.join(ENGINES)}", param_hint="--engine")
     work = Path(tempfile.mkdtemp(prefix="eagle3-demo-"))
     with contextlib.ExitStack() as stack:
+        # The model is written while the control plane starts (both take seconds; neither needs the other).
+        modelling = stack.enter_context(ThreadPoolExecutor(max_workers=1))
+        model = modelling.submit(write_tiny_model, work / "tiny-llama", arch="llama")
         step("starting a local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok)")
         running = plane.start(work / "cluster", detached=False)
         stack.callback(running.stop)
@@ -233,7 +237,7 @@ def main(
 
         step("a tiny random-weight Llama-style model: its config where the quickstart's hostPath points, its")
         print("    weights still being copied (as from a slow volume)")
-        staged = write_tiny_model(work / "tiny-llama", arch="llama")
+        staged = model.result()
         model_dir = Path("/tmp/eagle3-quickstart/tiny-llama")
         shutil.rmtree(model_dir, ignore_errors=True)
         model_dir.mkdir(parents=True)
