@@ -68,6 +68,9 @@ build_module() {
   if [ ${#missing[@]} -gt 0 ]; then
     echo "==> go build ${missing[*]} (cold: a few minutes, most of it kube-apiserver)"
     local start=$SECONDS out pkgs=()
+    # All modules at once, in parallel (go build alone fetches them one import level at a time: 38 s vs 8).
+    (cd "$here/tools" && go mod download)
+    echo "==> go modules: downloaded in $((SECONDS - start))s"
     out=$(mktemp -d "$store/build.XXXXXX")
     for name in "${missing[@]}"; do pkgs+=("${packages[$name]}"); done
     (cd "$here/tools" && go build -trimpath -gcflags "$gcflags" -ldflags "$ldflags" -o "$out/" "${pkgs[@]}")
