@@ -35,8 +35,10 @@ setup:
 	@$(MAKE) --no-print-directory -j3 venv sglang tools
 
 venv: $(VENV_STAMP)
+	@:
 
 sglang: $(SGLANG_STAMP)
+	@:
 
 # A lock that no longer matches pyproject.toml or a requirements file stops the set-up, naming the fix.
 locks-current:

@@ -6,8 +6,10 @@
 ARG BASE=python:3.12.12-slim-bookworm
 FROM ${BASE} AS build
 
-# uv trusts the system CA store, so a build behind a TLS-inspecting proxy works (image/build.sh mounts its CA).
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1
+# uv trusts the system CA store, so a build behind a TLS-inspecting proxy works (image/build.sh mounts its CA),
+# and compiles the bytecode as pip would: a read-only root cannot cache it, so every start would compile it.
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1 \
+    UV_COMPILE_BYTECODE=1
 WORKDIR /src
 # The distribution's metadata, both packages (setuptools finds them under image/ and operator/) and the lock
 # that pins, with hashes, every package the operator installs: the versions the tests ran with.

@@ -5,7 +5,8 @@
 # and set spec.image (or the chart's image) to it for targets with engine: sglang.
 FROM lmsysorg/sglang:v0.5.23
 
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1 \
+    UV_COMPILE_BYTECODE=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY locks/ locks/

@@ -154,6 +154,11 @@ def test_env_names_are_server_settings_and_parse(dockerfile, monkeypatch):
     assert settings.engine == "vllm"
 
 
+def test_uv_compiles_the_bytecode_the_read_only_root_cannot_cache(dockerfile):
+    env = {k: v for entry in dockerfile["ENV"] for k, v in env_pairs(entry).items()}
+    assert env["UV_COMPILE_BYTECODE"] == "1"
+
+
 def test_runs_as_a_numeric_non_root_user(dockerfile):
     users = dockerfile["USER"]
     uid = users[-1].split(":")[0]
