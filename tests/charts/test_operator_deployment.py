@@ -104,7 +104,9 @@ def test_operator_image_matches_the_chart():
     assert bases and set(bases) == {"${BASE}"}
     (default,) = re.findall(r"^ARG BASE=(\S+)$", dockerfile, flags=re.MULTILINE)
     assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", default)
-    assert '".[operator]"' in dockerfile
+    # The operator extra's lock, exactly (a sync), hashes checked; then the project without its dependencies.
+    assert "uv pip sync --python /opt/venv/bin/python --require-hashes locks/operator.txt" in dockerfile
+    assert "uv pip install --python /opt/venv/bin/python --no-deps ." in dockerfile
 
 
 def test_service_monitor_scrapes_the_metrics_service():
