@@ -97,24 +97,27 @@ def locked(names: tuple[str, ...]) -> dict[str, str]:
     return versions
 
 
+def installed(venv: str) -> dict[str, str]:
+    """name -> version of every distribution in a venv's site-packages (not whatever else is on sys.path:
+    setuptools, once imported, puts the packages it vendors there)."""
+    (site,) = (REPO / venv / "lib").glob("python3*/site-packages")
+    return {
+        canonicalize_name(dist.metadata["Name"]): dist.version
+        for dist in importlib.metadata.distributions(path=[str(site)])
+    }
+
+
 def test_the_environment_holds_exactly_the_locked_set():
     """A sync, not an install on top: no package missing, none extra, every version the locked one."""
     assert Path(sys.prefix).resolve() == (REPO / ".venv").resolve(), "run by .venv's python (make test)"
-    installed = {
-        canonicalize_name(dist.metadata["Name"]): dist.version for dist in importlib.metadata.distributions()
-    }
-    assert installed.pop("eagle3-target") == "0.1.0"  # the project itself, editable
-    assert installed == locked(VENV_LOCKS)
+    found = installed(".venv")
+    assert found.pop("eagle3-target") == "0.1.0"  # the project itself, editable
+    assert found == locked(VENV_LOCKS)
 
 
 def test_the_sglang_layer_holds_exactly_its_locked_set():
     """.venv-sglang's own site-packages: its lock and nothing else (the rest comes from .venv's, layered)."""
-    (site,) = (REPO / ".venv-sglang" / "lib").glob("python3*/site-packages")
-    installed = {
-        canonicalize_name(dist.metadata["Name"]): dist.version
-        for dist in importlib.metadata.distributions(path=[str(site)])
-    }
-    assert installed == locked(("sglang",))
+    assert installed(".venv-sglang") == locked(("sglang",))
 
 
 def test_make_setup_refuses_a_stale_lock_naming_the_fix(checkout):
