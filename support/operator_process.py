@@ -28,7 +28,7 @@ class OperatorProcess:
         kubeconfig: Path,
         log_dir: Path,
         namespaces: Sequence[str],
-        reprobe_seconds: float = 1.0,
+        reprobe_seconds: float | None = 1.0,
         extra_args: Sequence[str] = (),
         name: str = "operator",
     ) -> None:
@@ -67,7 +67,7 @@ class OperatorProcess:
             f"--readiness=http://{LOOPBACK}:{self.readiness_port}/readyz",
             f"--metrics-port={self.metrics_port}",
             f"--metrics-address={LOOPBACK}",
-            f"--reprobe-seconds={self.reprobe_seconds}",
+            *([] if self.reprobe_seconds is None else [f"--reprobe-seconds={self.reprobe_seconds}"]),
             "--api-timeout-seconds=10",
             *self.extra_args,
         ]

@@ -123,9 +123,11 @@ class ServedModel(BaseModel):
 # ---- the server's start-up, as /readyz and the container's exit report it ----------------------------
 
 # How `eagle3-target serve` exits when it cannot serve: 2 for settings it refuses (the CLI's usage error),
-# 3 when the model does not load. Either way its termination message says what and what to do.
+# 3 when the model does not load, 4 when the loaded engine died (a worker process gone, the device lost:
+# a restart is the cure, so it is not a load failure). Each time its termination message says what.
 EXIT_INVALID_SETTINGS = 2
 EXIT_LOAD_FAILED = 3
+EXIT_ENGINE_FAILED = 4
 SERVER_FAILURE_EXIT_CODES = (EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED)
 
 
@@ -167,19 +169,25 @@ class ClientActivity(BaseModel):
 
     id: str
     requests: int
-    last_request_at: float  # Unix time
+    idle_seconds: float  # since its last data request, on the server's monotonic clock
 
 
 class Activity(BaseModel):
     """A server's data requests (supervision, NeMo's /generate, weights): what /readyz says besides "ready",
-    for the operator to tell an idle target from a used one without credentials. `clients` are the most
-    recent ones, at most a few dozen."""
+    for the operator to tell an idle target from a used one without credentials.
+
+    Ages, not times: each is measured on the server's own monotonic clock when it answers, so the reader
+    places them on its own clock (the moment it got the answer, minus the age) and no clock skew between
+    nodes, nor a wall clock set back, can make a request look older than it is. `clients` are the most recent
+    ones, at most a few dozen, and only for a caller that may know who trains (any caller without auth, one
+    with the token on a target with auth); the counts and ages are for everyone."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True)
 
     requests: int = 0
-    last_request_at: float | None = None  # Unix time of the last start or end of one; None before the first
+    idle_seconds: float | None = None  # since the last start or end of one; None before the first
     in_flight: int = 0  # data requests being handled now (a target serving one is not idle)
+    active_clients: int = 0  # clients with a data request in the last CONSUMER_WINDOW_SECONDS
     clients: tuple[ClientActivity, ...] = ()
 
 

@@ -3,8 +3,9 @@
 The rules are client-go's: a candidate takes the Lease when nobody holds it or when the holder's record has
 not changed for a whole lease duration as observed on the candidate's own clock (so clock skew between
 nodes does not matter); every write carries the Lease's resourceVersion, so of two candidates racing only
-one succeeds. The leader renews every retry period and gives up leadership when it has not renewed for
-the renew deadline, which is shorter than the lease: it stops acting before anyone else may start. A
+one succeeds. The leader renews every retry period and gives up leadership the moment it has not renewed
+for the renew deadline (no attempt runs past it), which is shorter than the lease: it stops acting before
+anyone else may start. A
 leader that stops cleanly stops renewing, then clears the holder, so the standby takes over at its next
 retry.
 
@@ -86,15 +87,18 @@ class LeaderElector:
         on_stopped_leading()
 
     async def _renew(self) -> None:
-        """Renew every retry period; return once the Lease has not been renewed for the renew deadline
-        (counted from the start of the last attempt that renewed it)."""
+        """Renew every retry period; return the moment the Lease has gone unrenewed for the renew deadline
+        (counted from the start of the last attempt that renewed it). Every wait and every attempt is cut at
+        that moment (client-go bounds its renewal by the deadline the same way), so however slowly the API
+        server answers, this replica stops acting before another may take the Lease."""
         renewed = time.monotonic()
         while True:
-            await asyncio.sleep(self._retry)
+            deadline = renewed + self._renew_deadline
+            await asyncio.sleep(min(self._retry, max(deadline - time.monotonic(), 0)))
             started = time.monotonic()
-            if await self._try():
+            if started < deadline and await self._try(deadline - started):
                 renewed = started
-            elif time.monotonic() - renewed > self._renew_deadline:
+            elif time.monotonic() >= deadline:
                 logger.error("leader election: %s lost Lease %s/%s", self.identity, self.namespace, self.name)
                 return
 
@@ -114,10 +118,11 @@ class LeaderElector:
         except KubeError as error:  # the lease then simply runs out
             logger.warning("leader election: could not release the Lease: %s", error)
 
-    async def _try(self) -> bool:
-        """One attempt to take or renew the Lease, bounded in time; failures are answers, not errors."""
+    async def _try(self, limit: float | None = None) -> bool:
+        """One attempt to take or renew the Lease, bounded in time (twice the retry period, or `limit` if
+        less); failures are answers, not errors."""
         try:
-            async with asyncio.timeout(self._retry * 2):
+            async with asyncio.timeout(min(self._retry * 2, limit or self._retry * 2)):
                 return await self._take_or_renew()
         except (KubeError, TimeoutError) as error:
             logger.warning("leader election: %s", str(error) or "the API server did not answer in time")

@@ -10,8 +10,10 @@ when a result changes. A serving endpoint is published as not ready only after `
 consecutive failed probes (one slow answer under a heavy batch does not flip it); an endpoint that never
 served is published as the probe finds it, so its error shows at once. /v1/info is immutable for a
 server's lifetime, so it is fetched once per serving streak and only /readyz is asked after that; its body
-also says who pulled lately (protocol.Activity), kept with the result for the idle clock (status/idle.py). A
-running download (a hydration pod) is polled for its progress the same way, so status moves while it runs.
+also says who pulled lately (protocol.Activity), kept with the result, stamped with when it was asked and
+answered, for the idle clock (status/idle.py), which may ask for every endpoint of a target to be probed at
+once (`ask_again`) rather than decide on a report older than its deadline. A running download (a hydration
+pod) is polled for its progress the same way, so status moves while it runs.
 
 Probes carry no credentials: /readyz and /v1/info answer without the token (the data routes do not), so
 nothing a resource's author writes can make the operator send a secret anywhere. An external endpoint
@@ -22,12 +24,14 @@ log has the detail.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import random
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
 import httpx
@@ -35,7 +39,7 @@ from eagle3_target.protocol import Activity, HydrationProgress, LoadProgress, Se
 from pydantic import ValidationError
 
 from eagle3_operator import metrics
-from eagle3_operator.status.observation import NOT_PROBED_YET, ProbeResult
+from eagle3_operator.status.observation import NOT_PROBED_YET, ActivityReport, ProbeResult
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
@@ -68,6 +72,11 @@ class _Endpoint:
     stalled: bool = False  # its last probe ran out of time: the next one waits for a stalled slot
     failures: int = 0  # consecutive failed probes
     info: ServedModel | None = None  # /v1/info of the current serving streak
+    started: datetime | None = None  # when its latest probe began
+    # A report asked for at or after this is wanted (ask_again): each probe that began since then asks for
+    # a pass, until one brings a report or the endpoint is published as not serving.
+    wanted_after: datetime | None = None
+    hurry: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # probe now, not after a period
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -93,6 +102,7 @@ class Prober(Generic[K]):
         deadline: float = PROBE_DEADLINE_S,
         limit: int = MAX_CONCURRENT_PROBES,
         stalled_limit: int = MAX_CONCURRENT_STALLED_PROBES,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         # trust_env=False: probes go to pod IPs directly, never through a proxy from the environment.
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False, follow_redirects=False)
@@ -102,6 +112,7 @@ class Prober(Generic[K]):
         self._on_change = on_change
         self._interval = interval
         self._threshold = failure_threshold
+        self._clock = clock
         self._endpoints: dict[K, dict[str, _Endpoint]] = {}
         self._downloads: dict[K, _Download] = {}
 
@@ -148,10 +159,25 @@ class Prober(Generic[K]):
         download = self._downloads.get(key)
         return download is not None and not download.polled
 
-    def activities(self, key: K) -> list[Activity | None]:
-        """What each of `key`'s endpoints that serve said of its data requests at its last probe."""
+    def reports(self, key: K) -> list[ActivityReport | None]:
+        """What each of `key`'s endpoints whose activity counts said of its data requests at its last answer:
+        a serving endpoint's report (None if it did not say), and None for one not probed yet or whose
+        probes run out of time (unknown, which keeps a target awake). An endpoint that answered that it does
+        not serve (loading, refused) has no data requests to count."""
         endpoints = self._endpoints.get(key, {}).values()
-        return [endpoint.published.activity for endpoint in endpoints if endpoint.published.ready]
+        return [
+            endpoint.published.activity if endpoint.published.ready else None
+            for endpoint in endpoints
+            if endpoint.published.ready or endpoint.published is NOT_PROBED or endpoint.stalled
+        ]
+
+    def ask_again(self, key: K, since: datetime) -> None:
+        """Probe now every endpoint of `key` whose latest probe began before `since`, and ask for a pass
+        once each has answered: the idle clock wants reports taken at or after its deadline."""
+        for endpoint in self._endpoints.get(key, {}).values():
+            endpoint.wanted_after = since
+            if endpoint.started is None or endpoint.started < since:
+                endpoint.hurry.set()
 
     def forget(self, key: K) -> None:
         for endpoint in self._endpoints.pop(key, {}).values():
@@ -172,7 +198,9 @@ class Prober(Generic[K]):
         A `stalled` endpoint (its last probe ran out of time) waits for a slot of its own pool."""
         async with self._stalled_slots if stalled else self._slots:
             try:
+                asked_at = self._clock()
                 status, body = await self._get(f"{base_url}/readyz")
+                answered_at = self._clock()
                 if status != 200:
                     result = _not_ready(status, body)
                 elif info is not None:
@@ -180,7 +208,9 @@ class Prober(Generic[K]):
                 else:
                     result = _parse_info(*await self._get(f"{base_url}/v1/info"))
                 if result.ready:
-                    result = dataclasses.replace(result, activity=_activity(body))
+                    activity = _activity(body)
+                    report = None if activity is None else ActivityReport(activity, asked_at, answered_at)
+                    result = dataclasses.replace(result, activity=report)
             except (TimeoutError, httpx.TimeoutException) as error:
                 error_text = f"no answer in time ({_name(error)})"
                 result = ProbeResult(ready=False, reachable=False, error=error_text, timed_out=True)
@@ -214,6 +244,8 @@ class Prober(Generic[K]):
 
     async def _run(self, key: K, endpoint: _Endpoint) -> None:
         while True:
+            endpoint.hurry.clear()
+            endpoint.started = self._clock()
             try:
                 result = await self.check(endpoint.url, endpoint.info, stalled=endpoint.stalled)
             except Exception as error:  # a bug must not end this endpoint's probing silently
@@ -223,9 +255,10 @@ class Prober(Generic[K]):
             if not endpoint.disclose and not _from_a_target_server(result):
                 logger.info("probe of %s: %s", endpoint.url, result.error)
                 result = ProbeResult(ready=False, reachable=False, error=NO_TARGET_SERVER)
-            if self._record(endpoint, result):
+            changed = self._record(endpoint, result)
+            if changed or self._brought_wanted(endpoint):
                 self._on_change(key)
-            await self._pause()
+            await self._pause(endpoint.hurry)
 
     async def _follow(self, key: K, download: _Download) -> None:
         while True:
@@ -239,9 +272,27 @@ class Prober(Generic[K]):
                 self._on_change(key)  # the pass holding the stored status for it may go on
             await self._pause()
 
-    async def _pause(self) -> None:
-        """The wait between two probes of one endpoint, or two polls of one download."""
-        await asyncio.sleep(self._interval * random.uniform(1 - JITTER, 1 + JITTER))
+    async def _pause(self, hurry: asyncio.Event | None = None) -> None:
+        """The wait between two probes of one endpoint (cut short by `hurry`), or two polls of a download."""
+        period = self._interval * random.uniform(1 - JITTER, 1 + JITTER)
+        if hurry is None:
+            await asyncio.sleep(period)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(period):
+                await hurry.wait()
+
+    @staticmethod
+    def _brought_wanted(endpoint: _Endpoint) -> bool:
+        """Whether the probe just ended began after a report was wanted (ask_again): the pass that wanted it
+        may decide now. The want stays until a report comes or the endpoint no longer serves."""
+        wanted = endpoint.wanted_after
+        if wanted is None or endpoint.started is None or endpoint.started < wanted:
+            return False
+        report = endpoint.published.activity
+        if not endpoint.published.ready or (report is not None and report.asked_at >= wanted):
+            endpoint.wanted_after = None
+        return True
 
     def _record(self, endpoint: _Endpoint, result: ProbeResult) -> bool:
         """Apply one probe's result with hysteresis; whether the published result changed."""
@@ -272,9 +323,13 @@ def _from_a_target_server(result: ProbeResult) -> bool:
     return result.ready or result.progress is not None
 
 
-def _consumers(result: ProbeResult) -> set[str]:
-    """The client ids a result lists: a new or vanished one asks for a pass (a new request alone does not)."""
-    return {client.id for client in result.activity.clients} if result.activity is not None else set()
+def _consumers(result: ProbeResult) -> tuple[int, set[str]]:
+    """How many clients a result counts, and their ids where listed: a new or vanished one asks for a pass (a
+    new request alone does not)."""
+    if result.activity is None:
+        return 0, set()
+    activity = result.activity.activity
+    return activity.active_clients, {client.id for client in activity.clients}
 
 
 def _activity(body: bytes) -> Activity | None:

@@ -108,7 +108,7 @@ class Reconciler:
         self._api = api
         self._neighbours = neighbours or Neighbours()
         self._server_images = server_images
-        self._prober: Prober[TargetKey] = Prober(self.request, interval=probe_interval)
+        self._prober: Prober[TargetKey] = Prober(self.request, interval=probe_interval, clock=clock)
         self._targets = targets
         self._children = ChildApplier(api, children)
         self._pods = pods
@@ -199,10 +199,17 @@ class Reconciler:
             observation = Observation(generation=snapshot.generation, spec=None, spec_error=str(error))
         else:
             await self._warn_unknown_fields(key, snapshot, memory)
-            idle = judge_idle(spec, snapshot.wake, previous, self._prober.activities(key), self._clock())
+            idle = judge_idle(spec, snapshot.wake, previous, self._prober.reports(key), self._clock())
             if idle.recheck_in is not None:
                 outcome.again_within(idle.recheck_in)
-            applied, refused = await self._sync_children(key, snapshot, spec, memory, outcome, idle)
+            if idle.reports_wanted_after is not None:  # the prober asks for a pass once they have answered
+                self._prober.ask_again(key, idle.reports_wanted_after)
+            # Pods go only once status.idle is stored: resolve() never hands out endpoints of a target
+            # that is scaling down (it wakes the target instead, and the wake keeps the pods).
+            scale_to_zero = idle.idle is not None and bool(previous.get("idle"))
+            if idle.idle is not None and not scale_to_zero:
+                outcome.again_within(0)
+            applied, refused = await self._sync_children(key, snapshot, spec, memory, outcome, scale_to_zero)
             observation = self._observe(key, snapshot, spec, memory, applied, refused, idle)
         deadline = self._next_startup_deadline(observation)
         if deadline is not None:
@@ -270,7 +277,7 @@ class Reconciler:
         spec: Eagle3TargetSpec,
         memory: _Memory,
         outcome: Pass,
-        idle: IdleJudgement,
+        idle: bool,
     ) -> tuple[dict[str, dict[str, Any]], Failure | None]:
         """Apply what differs from the rendering, delete what should not exist.
 
@@ -301,7 +308,7 @@ class Reconciler:
                 pod_monitor_supported=monitors,
                 neighbours=self._neighbours,
                 hydrated=hydrated,
-                idle=idle.idle is not None,
+                idle=idle,
                 pin=pin,
             )
             digests = tuple(rendered_digest(manifest) or "" for manifest in desired)

@@ -56,7 +56,8 @@ class ModelSource(SpecModel):
 
 class ModelSpec(SpecModel):
     name: str = Field(min_length=1, max_length=253)
-    revision: str | None = Field(None, max_length=200)
+    # Also the default download revision, and so a path component of the model cache: a Hub revision name.
+    revision: str | None = Field(None, pattern=HF_REVISION_PATTERN, max_length=200)
     source: ModelSource | None = None
     dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
     trust_remote_code: bool = False

@@ -35,10 +35,20 @@ def namespace_prefix(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def operator(
-    cluster: Cluster, crd: None, namespace_prefix: str, tmp_path_factory: pytest.TempPathFactory
+    cluster: Cluster,
+    crd: None,
+    namespace_prefix: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
+    """This module's operator; it probes every second unless the module sets REPROBE_SECONDS (None: the
+    operator's own default)."""
+    reprobe = getattr(request.module, "REPROBE_SECONDS", 1.0)
     process = OperatorProcess(
-        cluster.kubeconfig, tmp_path_factory.mktemp("operator"), [f"{namespace_prefix}*"]
+        cluster.kubeconfig,
+        tmp_path_factory.mktemp("operator"),
+        [f"{namespace_prefix}*"],
+        reprobe_seconds=reprobe,
     )
     process.start()
     try:

@@ -158,6 +158,16 @@ BAD_SPECS = {
         "huggingFace.repo must look like owner/name",
     ),
     "hf without cache": (with_model({"huggingFace": {"repo": "org/tiny"}}), "cacheClaimName: Required value"),
+    "model revision that climbs out of the cache": (
+        {
+            "model": {
+                "name": "m",
+                "revision": "..",
+                "source": {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "c"}},
+            }
+        },
+        "spec.model.revision must be a branch, tag or commit name",
+    ),
     "ftp endpoint": (
         {"endpoint": {"url": "ftp://files.example/model"}},
         "must be an absolute http or https URL",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import kubernetes
 import pytest
+from eagle3_operator.settings import OperatorConfig
 from eagle3_target.client import ResolveTimeout, TargetAccessForbidden, resolve
 from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, CLIENT_HEADER, GROUP, PLURAL
 
@@ -25,6 +27,9 @@ from support.operator_process import OperatorProcess
 from support.supervision import supervise, token_batch
 from support.targets import Targets, condition, kubelet_target_manifest
 
+# This module's operator probes at its own default period: the idle clock must hold with reports that old.
+REPROBE_SECONDS = None
+PROBE_PERIOD = OperatorConfig.reprobe_seconds
 WINDOW = 12  # seconds without a data request before the target goes idle
 TRAINERS = ("trainer-a/11-aa", "trainer-b/22-bb")
 START_SECONDS = 120  # a tiny model's server start on a loaded two-core machine, with room
@@ -169,3 +174,47 @@ def read_only_kubeconfig(cluster: Cluster, namespace: str, tmp_path: Path) -> Pa
     }
     rbac.create_namespaced_role_binding(namespace, binding)
     return cluster.write_service_account_kubeconfig(namespace, "reader", tmp_path / "reader-kubeconfig")
+
+
+def test_a_client_pulling_more_often_than_the_window_is_never_cut_off(
+    targets: Targets, kubelet: Kubelet, operator: OperatorProcess, tiny_llama_dir: Path
+):
+    """Review round 3, B1: with reports up to a probe period old deciding, each of these targets went to zero
+    under its trainer. Now each serves for two and a half of the longest windows, then idles within its
+    window and one probe period of its last pull."""
+    cadences = {"slow-30": (30, 20), "busy-30": (30, 3), "busy-8": (8, 3)}  # name: (window, pull interval)
+    for name, (window, _) in cadences.items():
+        targets.create(kubelet_target_manifest(name, tiny_llama_dir, idle={"scaleToZeroAfter": f"{window}s"}))
+    urls = {
+        name: eventually(lambda n=name: targets.ready_status(n), f"{name} Ready", timeout=START_SECONDS)[
+            "endpoints"
+        ][0]["address"]
+        for name in cadences
+    }
+    last_pull: dict[str, float] = {}
+    cut_off: list[str] = []
+    until = time.monotonic() + 75
+
+    def train(name: str, interval: float) -> None:
+        while time.monotonic() < until:
+            try:
+                pull(urls[name], f"trainer-{name}/1-aa")
+            except httpx.HTTPError as error:
+                cut_off.append(f"{name}: {error!r} {time.time() - last_pull[name]:.1f}s after the last pull")
+                return
+            last_pull[name] = time.time()
+            if status_of(targets, name).get("idle"):
+                cut_off.append(f"{name} went idle while pulled from every {interval}s")
+                return
+            time.sleep(interval)
+
+    trainers = [threading.Thread(target=train, args=(n, gap)) for n, (_, gap) in cadences.items()]
+    for trainer in trainers:
+        trainer.start()
+    for trainer in trainers:
+        trainer.join()
+    assert not cut_off, cut_off
+    for name, (window, _) in cadences.items():
+        since = eventually(lambda n=name: idle_since(status_of(targets, n)), f"{name} idle", timeout=60)
+        # status keeps whole seconds; the pass that decides runs a moment after the deadline
+        assert last_pull[name] + window - 1 <= since <= last_pull[name] + window + PROBE_PERIOD + 1, name

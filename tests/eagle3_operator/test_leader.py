@@ -137,3 +137,42 @@ def test_an_error_while_waiting_for_the_lease_stops_the_replica_before_it_acts(
 
     calls, leading = asyncio.run(scenario())
     assert calls == ["stopped"] and not leading
+
+
+def test_a_leader_stops_acting_at_its_renew_deadline_however_slowly_the_api_server_answers(
+    cluster, namespace, monkeypatch
+):
+    """Review round 3, R1 (the README's "exits before another replica may act"): a renewal lands but its
+    answer takes almost an attempt's bound, then the API server answers no more. Acting must stop at the
+    renew deadline counted from that attempt, not one attempt later (the standby may lead a lease after it
+    saw the renewal)."""
+
+    async def scenario() -> tuple[float, float]:
+        async with connection(cluster, monkeypatch) as api:
+            leader = elector(api, namespace, "a")
+            stopped: list[float] = []
+            running = asyncio.create_task(leader.run(lambda: None, lambda: stopped.append(time.monotonic())))
+            while not leader.leading:
+                await asyncio.sleep(0.05)
+            real_get, real_write = api.get_lease, api.write_lease
+            attempts: list[float] = []
+
+            async def get_then_stall(namespace: str, name: str) -> dict | None:
+                attempts.append(time.monotonic())
+                if len(attempts) > 1:
+                    await asyncio.sleep(3600)  # cut off from the API server
+                return await real_get(namespace, name)
+
+            async def land_then_answer_late(lease: dict) -> dict:
+                written = await real_write(lease)
+                await asyncio.sleep(2 * RETRY - 0.05)  # just inside the attempt's bound: it renewed
+                return written
+
+            api.get_lease = get_then_stall  # type: ignore[method-assign]
+            api.write_lease = land_then_answer_late  # type: ignore[method-assign]
+            await running
+            return attempts[0], stopped[0]
+
+    renewing_began, stopped = asyncio.run(scenario())
+    assert stopped - renewing_began <= DEADLINE + 0.15, stopped - renewing_began
+    assert stopped - renewing_began < LEASE

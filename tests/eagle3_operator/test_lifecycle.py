@@ -1,6 +1,7 @@
 """A managed target's life against the real control plane: Ready, idle, scaled, rolled out, suspended,
 an operator killed mid-rollout, deleted without waiting, a restart its users never see; and an external
-endpoint probed and published, also among a hundred external endpoints that trickle their answers.
+endpoint probed and published, its model replaced whole when the server behind it changes, also among a
+hundred external endpoints that trickle their answers.
 
 One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
@@ -8,8 +9,10 @@ One operator process serves the whole module (only this module's namespaces); ea
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from eagle3_operator.probe import NO_TARGET_SERVER, PROBE_DEADLINE_S
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
@@ -20,6 +23,7 @@ from support.cluster.waiting import eventually, free_port
 from support.hostile_endpoints import TRICKLE, HostileEndpoint
 from support.operator_process import OperatorProcess
 from support.server_farm import PodServing, ServerFarm
+from support.server_process import start_on_port
 from support.targets import Targets, condition, target_manifest
 
 pytestmark = pytest.mark.usefixtures("operator")
@@ -267,6 +271,42 @@ def external_target(name: str, url: str) -> dict[str, Any]:
     manifest = target_manifest(name, 8000)
     manifest["spec"] = {"model": {"name": "tiny-llama"}, "engine": "hf", "endpoint": {"url": url}}
     return manifest
+
+
+def test_a_restarted_external_server_replaces_the_model_in_status_whole(
+    targets: Targets, tiny_llama_dir: Path, tmp_path: Path
+):
+    """Review round 3, B5: status was a merge patch of changed keys, so a server restarted without
+    --revision left the old revision in status.model beside the new fingerprint."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["--model", str(tiny_llama_dir), "--engine", "hf", "--dtype", "float32"]
+    first = start_on_port(tmp_path, port, [*args, "--revision", "abc123"])
+    try:
+        first.wait_until("/readyz", 200)
+        targets.create(external_target("moved", url))
+        eventually(
+            lambda: model_of(targets, "moved").get("revision") == "abc123", "the first model in status"
+        )
+    finally:
+        first.stop()
+    second = start_on_port(tmp_path, port, args)
+    try:
+        second.wait_until("/readyz", 200)
+        served = httpx.get(f"{url}/v1/info").json()
+        assert served.get("revision") is None
+        model = eventually(
+            lambda: (m := model_of(targets, "moved")).get("fingerprint") == served["fingerprint"] and m,
+            "the restarted server's model in status",
+            timeout=60,
+        )
+        assert "revision" not in model, model
+    finally:
+        second.stop()
+
+
+def model_of(targets: Targets, name: str) -> dict[str, Any]:
+    return ((targets.get(name) or {}).get("status") or {}).get("model") or {}
 
 
 def test_a_hundred_trickling_external_endpoints_leave_a_new_target_ready_at_once(

@@ -14,6 +14,7 @@ import asyncio
 import shutil
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -315,3 +316,54 @@ def test_an_external_endpoint_tells_only_whether_a_target_server_answers(servers
     assert results["target"].ready and results["target"].info is not None
     for name in ("closed", "web", "hung"):
         assert results[name] == ProbeResult(ready=False, reachable=False, error=NO_TARGET_SERVER), name
+
+
+def test_reports_count_unknown_activity_and_leave_out_servers_that_do_not_serve(servers: ServerFarm):
+    """The idle clock's evidence (review round 3, R2): an endpoint not probed yet or whose probe ran out of
+    time is unknown (None, which keeps its target awake); one that answered that it does not serve (no
+    server there) has nothing to count; a serving one reports when it was asked and answered."""
+
+    async def scenario() -> tuple[list, list, datetime]:
+        prober: Prober[str] = Prober(lambda key: None, interval=60, timeout=FAST, deadline=0.5)
+        try:
+            with HostileEndpoint(TRICKLE, pause=0.2) as stalling:
+                before = datetime.now(UTC)
+                endpoints = {"serving": url_of(servers), "stalling": stalling, "gone": f"http://{LOOPBACK}:1"}
+                prober.watch("t", endpoints)
+                unprobed = prober.reports("t")
+                await eventually_async(lambda: len(prober.reports("t")) == 2 and prober.reports("t")[0])
+                return unprobed, prober.reports("t"), before
+        finally:
+            await prober.close()
+
+    unprobed, probed, before = asyncio.run(scenario())
+    assert unprobed == [None, None, None]
+    serving, stalling = probed
+    assert stalling is None
+    assert serving is not None and before <= serving.asked_at <= serving.answered_at <= datetime.now(UTC)
+
+
+def test_asking_again_probes_at_once_and_asks_for_a_pass_when_answered(servers: ServerFarm):
+    """The idle clock wants reports taken after its deadline: the prober does not wait out its period."""
+
+    async def scenario() -> tuple[float, datetime, list]:
+        passes: list[str] = []
+        prober: Prober[str] = Prober(passes.append, interval=60, timeout=FAST)
+        try:
+            prober.watch("t", {"serving": url_of(servers)})
+            await eventually_async(lambda: prober.reports("t") and prober.reports("t")[0])
+            asked = len(passes)
+            since = datetime.now(UTC)
+            began = time.monotonic()
+            prober.ask_again("t", since)
+            await eventually_async(lambda: len(passes) > asked)
+            took = time.monotonic() - began
+            prober.ask_again("t", since)  # already answered since then: no new probe, no new pass
+            await asyncio.sleep(0.3)
+            return took, since, [len(passes) - asked, prober.reports("t")[0]]
+        finally:
+            await prober.close()
+
+    took, since, (new_passes, report) = asyncio.run(scenario())
+    assert took < 5 and new_passes == 1
+    assert report is not None and report.asked_at >= since

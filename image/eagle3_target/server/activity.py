@@ -4,7 +4,9 @@ client, so the operator can tell a target nobody trains against from one in use.
 Clients of ours name their process in CLIENT_HEADER; a request without it is counted under its peer host
 (NeMo's client sends none; behind one host several NeMo processes read as one consumer). At most
 MAX_CLIENTS are remembered (the least recent go first) and the /readyz answer lists MAX_LISTED of them, so
-neither memory nor the probe's answer grows with the number of clients ever seen.
+neither memory nor the probe's answer grows with the number of clients ever seen. Times are taken on the
+monotonic clock and reported as ages (protocol.Activity), so a wall clock set back or skewed between nodes
+cannot make a request look older than it is.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ActivityLog:
     def request(self, client: str) -> Iterator[None]:
         """One data request of `client`, counted when it starts; in flight until it ends, and the end is
         the last activity too (a long request keeps its target from looking idle)."""
-        now = time.time()
+        now = time.monotonic()
         with self._lock:
             requests, _ = self._clients.pop(client, (0, now))
             self._clients[client] = (requests + 1, now)
@@ -50,23 +52,28 @@ class ActivityLog:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                self._last = time.time()
+                self._last = time.monotonic()
 
     def active(self, window: float = CONSUMER_WINDOW_SECONDS) -> int:
         """Clients with a data request in the last `window` seconds (the active-clients gauge)."""
-        since = time.time() - window
+        since = time.monotonic() - window
         with self._lock:
             return sum(1 for _, last in self._clients.values() if last >= since)
 
-    def snapshot(self) -> Activity:
+    def snapshot(self, *, identities: bool = True) -> Activity:
+        """Counts and ages now; the most recent clients' ids too unless `identities` is False (a caller
+        without the token of a target with auth learns how much it is used, not by whom)."""
+        active = self.active()
         with self._lock:
-            recent = list(itertools.islice(reversed(self._clients.items()), MAX_LISTED))
+            now = time.monotonic()
+            recent = list(itertools.islice(reversed(self._clients.items()), MAX_LISTED)) if identities else []
             return Activity(
                 requests=self._requests,
-                last_request_at=self._last,
+                idle_seconds=None if self._last is None else now - self._last,
                 in_flight=self._in_flight,
+                active_clients=active,
                 clients=tuple(
-                    ClientActivity(id=client, requests=requests, last_request_at=last)
+                    ClientActivity(id=client, requests=requests, idle_seconds=now - last)
                     for client, (requests, last) in recent
                 ),
             )

@@ -1,5 +1,6 @@
 """The status document as the operator stores it: every key it owns, nulls dropped (the API server stores
-none), the last failure kept after recovery, and the merge patch that writes only what changed.
+none), the last failure kept after recovery, and the merge patch that writes only what changed (RFC 7386: a
+member it does not name is kept, so every member that disappears, at any depth, is named with a null).
 
 An unchanged observation must give an empty patch, or an idle operator would write every target on every
 probe; the keys listed here are the only ones the operator ever patches.
@@ -35,7 +36,24 @@ def compute_status(observation: Observation, previous: Mapping[str, Any], now: d
 
 def status_patch(previous: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """A merge patch from the stored status to `new`; empty when nothing changed (then nothing is written)."""
-    return {key: new.get(key) for key in STATUS_KEYS if previous.get(key) != new.get(key)}
+    return _merge_patch(
+        {key: previous.get(key) for key in STATUS_KEYS}, {key: new.get(key) for key in STATUS_KEYS}
+    )
+
+
+def _merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """What turns `old` into `new` under a merge patch: changed members, maps recursively, and a null for
+    each member `new` lacks (lists are replaced whole)."""
+    patch: dict[str, Any] = {}
+    for key in old.keys() | new.keys():
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            patch[key] = _merge_patch(before, after)
+        else:
+            patch[key] = after
+    return patch
 
 
 def _compact(value: Any) -> Any:

@@ -2,10 +2,17 @@
 pulls from it (status.idle, status.consumers).
 
 Pure, like the rest of the package: the reconciler passes the spec, the wake annotation, the stored status
-and what the serving endpoints' /readyz said about their data requests (protocol.Activity), and renders the
-Deployment with no pods while `idle` is set. The idle clock survives an operator restart: the servers keep
+and what each endpoint's /readyz said about its data requests (observation.ActivityReport), and renders the
+Deployment with no pods once `idle` is stored. The idle clock survives an operator restart: the servers keep
 their own last request, the stored status keeps its coarse copy (for when no server is left to ask) and the
 time the target last became Available (a target nobody has pulled from yet is idle counted from then).
+
+A target goes idle only on evidence taken after its deadline (last request + window): every endpoint's
+report must have been asked for at or after it and show no newer request. Until then the judgement asks
+for fresh reports (the reconciler has the prober ask at once) instead of deciding on old ones; an endpoint
+whose activity is unknown (not probed yet, its probes timing out) keeps the target awake. Servers report
+ages on their own monotonic clock, placed on the operator's clock when heard, so no clock skew between nodes
+shrinks the window.
 
 Going idle is recorded in status.idle with the wake annotation's value at that moment; any other value of
 the annotation (resolve() writes the time) wakes the target. Comparing values, not times, makes a wake
@@ -14,44 +21,47 @@ immune to clock skew between the caller and the operator.
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, Activity
+from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS
 
 from eagle3_operator.spec import Eagle3TargetSpec
-from eagle3_operator.status.observation import parse_timestamp, timestamp
+from eagle3_operator.status.observation import ActivityReport, parse_timestamp, timestamp
 
 # status.consumers.lastRequestAt moves in steps of this fraction of the idle window (between the bounds), so
-# a target in use is written now and then, not on every request.
+# a target in use is written now and then, not on every request (the servers keep the exact time; status's
+# copy only matters once no server remembers).
 LAST_REQUEST_STEP_FRACTION = 1 / 20
-MIN_LAST_REQUEST_STEP_S = 1.0
+MIN_LAST_REQUEST_STEP_S = 30.0
 MAX_LAST_REQUEST_STEP_S = 300.0
 MAX_LISTED_CONSUMERS = 10
 
 
 @dataclass(frozen=True)
 class IdleJudgement:
-    """status.idle (None: awake) and status.consumers, and in how many seconds time alone may change them
-    (None: only a change of what is observed can)."""
+    """status.idle (None: awake) and status.consumers; in how many seconds time alone may change them (None:
+    only a change of what is observed can); and, when the deadline has passed but some report is older
+    than it, that deadline: every endpoint must be asked again (at or after it) before the target may idle."""
 
     idle: dict[str, Any] | None
     consumers: dict[str, Any]
     recheck_in: float | None
+    reports_wanted_after: datetime | None = None
 
 
 def judge_idle(
     spec: Eagle3TargetSpec,
     wake: str | None,
     previous: Mapping[str, Any],
-    activities: Sequence[Activity | None],
+    reports: Sequence[ActivityReport | None],
     now: datetime,
 ) -> IdleJudgement:
-    """Whether the target is idle now, and its consumers. `activities`: one per endpoint that serves (None
-    where the server did not say: an older server, which keeps its target awake)."""
+    """Whether the target is idle now, and its consumers. `reports`: one per endpoint whose activity counts
+    (None where it is unknown: not probed yet, probes timing out, or a server that does not say)."""
     after = spec.idle.after_seconds
     step = _last_request_step(after)
-    known = [activity for activity in activities if activity is not None]
+    known = [report for report in reports if report is not None]
     consumers, consumers_recheck = _consumers(known, previous.get("consumers") or {}, step, now)
     stored = previous.get("idle")
     if after is None or spec.suspend or spec.external:
@@ -59,79 +69,82 @@ def judge_idle(
     if stored:
         awake = wake != stored.get("wakeRequestedAt")
         return IdleJudgement(None if awake else dict(stored), consumers, consumers_recheck)
-    recheck = _idle_in(previous, activities, consumers, after, now)
-    if recheck is not None and recheck <= 0:
+    deadline = _deadline(previous, reports, consumers, after, now)
+    if deadline is None:
+        return IdleJudgement(None, consumers, consumers_recheck)
+    if now < deadline:
+        return IdleJudgement(None, consumers, _earliest((deadline - now).total_seconds(), consumers_recheck))
+    if all(report.asked_at >= deadline for report in known):
         idle = {"since": timestamp(now), "wakeRequestedAt": wake}
         return IdleJudgement(idle, consumers, consumers_recheck)
-    return IdleJudgement(None, consumers, _earliest(recheck, consumers_recheck))
+    return IdleJudgement(None, consumers, consumers_recheck, reports_wanted_after=deadline)
 
 
 def idle_message(spec: Eagle3TargetSpec) -> str:
     return f"no data requests for {spec.idle.scale_to_zero_after}; resolve() wakes it"
 
 
-def _idle_in(
+def _deadline(
     previous: Mapping[str, Any],
-    activities: Sequence[Activity | None],
+    reports: Sequence[ActivityReport | None],
     consumers: Mapping[str, Any],
     after: int,
     now: datetime,
-) -> float | None:
-    """Seconds until the target is idle (<= 0: it is), counting from its last data request or from when it
-    last became Available, whichever is later; None while it cannot go idle: not serving (loading,
-    downloading, failing), still rolling out or downloading a new revision, or some server's activity
-    unknown. A request in flight restarts the count."""
+) -> datetime | None:
+    """When the target is idle unless a newer request shows up: a window after its last data request or
+    after it last became Available, whichever is later. None while it cannot go idle: not serving (loading,
+    downloading, failing), still rolling out or downloading a new revision, or some endpoint's activity
+    unknown. A request in flight puts the deadline a window from now."""
     available = _condition(previous, "Available")
     serving_since = parse_timestamp(available.get("lastTransitionTime"))
-    if available.get("status") != "True" or serving_since is None or not activities:
+    if available.get("status") != "True" or serving_since is None or not reports:
         return None
-    if _condition(previous, "Progressing").get("status") == "True" or None in activities:
+    if _condition(previous, "Progressing").get("status") == "True" or None in reports:
         return None
-    if any(activity is not None and activity.in_flight for activity in activities):
-        return float(after)
-    last = parse_timestamp(consumers.get("lastRequestAt"))
-    base = max(serving_since, last) if last is not None else serving_since
-    live = _live_last(a for a in activities if a is not None)
-    if live is not None:
-        base = max(base, live)
-    return (base + timedelta(seconds=after) - now).total_seconds()
+    window = timedelta(seconds=after)
+    if any(report is not None and report.activity.in_flight for report in reports):
+        return now + window
+    stored_last = parse_timestamp(consumers.get("lastRequestAt"))
+    moments = [serving_since, *([stored_last] if stored_last else []), *_last_requests(reports)]
+    return max(moments) + window
 
 
 def _consumers(
-    activities: Sequence[Activity], stored: Mapping[str, Any], step: float, now: datetime
+    reports: Sequence[ActivityReport], stored: Mapping[str, Any], step: float, now: datetime
 ) -> tuple[dict[str, Any], float | None]:
     """status.consumers from the servers' activity, and when it next changes by time alone: a client leaves
-    the window, or (while clients are active) the stored last request may be a step behind."""
-    since = now.timestamp() - CONSUMER_WINDOW_SECONDS
-    clients: dict[str, float] = {}
-    for activity in activities:
-        for client in activity.clients:
-            if client.last_request_at >= since:
-                clients[client.id] = max(client.last_request_at, clients.get(client.id, 0.0))
+    the window, or (while clients are active) the stored last request may be a step behind. Servers that
+    list no ids (a target with auth answers the operator with counts only) still count."""
+    since = now - timedelta(seconds=CONSUMER_WINDOW_SECONDS)
+    clients: dict[str, datetime] = {}
+    for report in reports:
+        for client in report.activity.clients:
+            last_seen = report.client_last(client)
+            if last_seen >= since:
+                clients[client.id] = max(last_seen, clients.get(client.id, last_seen))
+    active = max([len(clients), *(report.activity.active_clients for report in reports)])
     last = stored.get("lastRequestAt")
-    live = _live_last(activities)
+    live = max(_last_requests(reports), default=None)
     if live is not None:
+        live = live.replace(microsecond=0)  # to the second, as status keeps it
         stored_last = parse_timestamp(last)
         if stored_last is None or (live - stored_last).total_seconds() >= step:
             last = timestamp(live)
     consumers = {
-        "active": len(clients),
+        "active": active,
         "windowSeconds": CONSUMER_WINDOW_SECONDS,
         "lastRequestAt": last,
         "clients": sorted(clients)[:MAX_LISTED_CONSUMERS],
     }
-    if not clients:
+    if not active:
         return consumers, None
-    leaves = min(clients.values()) + CONSUMER_WINDOW_SECONDS - now.timestamp()
+    leaves = (min(clients.values()) - since).total_seconds() if clients else step
     return consumers, max(min(leaves, step), MIN_LAST_REQUEST_STEP_S)
 
 
-def _live_last(activities: Any) -> datetime | None:
-    """The last data request any of these servers saw (to the second, as status keeps it)."""
-    moments = [activity.last_request_at for activity in activities if activity.last_request_at is not None]
-    if not moments:
-        return None
-    return datetime.fromtimestamp(int(max(moments)), UTC)
+def _last_requests(reports: Sequence[ActivityReport | None]) -> list[datetime]:
+    """The last data request of each server that has had one."""
+    return [last for report in reports if report is not None and (last := report.last_request) is not None]
 
 
 def _last_request_step(after: int | None) -> float:

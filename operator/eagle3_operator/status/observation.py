@@ -9,10 +9,10 @@ of a server at a pod IP.
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from eagle3_target.protocol import Activity, ServedModel
+from eagle3_target.protocol import Activity, ClientActivity, ServedModel
 
 from eagle3_operator.spec import Eagle3TargetSpec
 
@@ -108,6 +108,27 @@ NOT_PROBED_YET = "not probed yet"
 
 
 @dataclass(frozen=True)
+class ActivityReport:
+    """What one serving endpoint's /readyz said of its data requests, placed on the operator's clock: the
+    server measured its ages at some moment between `asked_at` and `answered_at`. The idle clock decides on
+    these alone, so both stamps lean the safe way: a request is as late as it can have been (answered_at
+    minus its age), and the report is only as fresh as the moment it was asked for."""
+
+    activity: Activity
+    asked_at: datetime
+    answered_at: datetime
+
+    @property
+    def last_request(self) -> datetime | None:
+        """The latest moment its last data request can have started or ended; None: it has had none."""
+        idle = self.activity.idle_seconds
+        return None if idle is None else self.answered_at - timedelta(seconds=idle)
+
+    def client_last(self, client: ClientActivity) -> datetime:
+        return self.answered_at - timedelta(seconds=client.idle_seconds)
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     """One server's answer: ready means /readyz said 200 and /v1/info parsed; else `error` says why."""
 
@@ -119,7 +140,7 @@ class ProbeResult:
     timed_out: bool = False  # the probe ran out of time (the prober then keeps the endpoint apart)
     # What a ready server's /readyz said about its data requests (None: it did not say). Not compared: a
     # new request is no new verdict (the prober asks for a pass when the set of clients changes).
-    activity: Activity | None = field(default=None, compare=False)
+    activity: ActivityReport | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,8 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     )
     if spec.suspend:
         return _suspended_state(observation, fields)
-    if observation.idle is not None:
-        return _idle_state(spec, fields)
+    if observation.idle is not None and observation.apply_failure is None:
+        return _idle_state(spec, fields)  # a refused scale-down is a failure: its pods and GPUs stay
     progress = f"{len(serving)}/{desired} replicas serving"
     fingerprints = sorted({info.fingerprint for info in infos})
     offered = len(fingerprints) == 1 and desired > 0  # scaled to zero, the pods left are only stopping

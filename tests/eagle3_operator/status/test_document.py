@@ -111,3 +111,28 @@ def test_recomputing_from_the_stored_status_writes_nothing(pods, probe, replicas
         assert condition(first, "Available")["status"] == "True"
         assert first["readyReplicas"] == replicas > 0 and not suspend and not lag
         assert all(e["ready"] for e in first["endpoints"]) and len(first["endpoints"]) == replicas
+
+
+def test_members_that_disappear_at_any_depth_are_patched_to_null():
+    """Review round 3, B5: a merge patch keeps what it does not name, so a model restarted without a revision
+    kept the old one next to its new fingerprint."""
+    before = {"model": {"name": "m", "revision": "abc123", "fingerprint": "sha256:old"}, "phase": "Ready"}
+    after = {"model": {"name": "m", "fingerprint": "sha256:new"}, "phase": "Ready"}
+    patch = status_patch(before, after)
+    assert patch == {"model": {"revision": None, "fingerprint": "sha256:new"}}
+    assert apply_merge_patch(before, patch) == after
+    gone = {"consumers": {"active": 1, "clients": ["a"]}}
+    assert status_patch(gone, {}) == {"consumers": None}
+
+
+def apply_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386's MergePatch, as the API server applies it."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = apply_merge_patch(merged.get(key), value)
+    return merged

@@ -40,8 +40,9 @@ def test_data_requests_count_per_client_and_probes_do_not(server):
     assert after.requests == before.requests + 3
     assert by_id(after)["trainer-a/1-aa"] == 2 and by_id(after)["trainer-b/7-bb"] == 1
     assert after.clients[0].id == "trainer-b/7-bb"  # the most recent first
-    assert before.last_request_at is None or after.last_request_at > before.last_request_at
-    assert after.in_flight == 0
+    assert after.idle_seconds is not None and after.idle_seconds < 60
+    assert before.idle_seconds is None or after.idle_seconds < before.idle_seconds
+    assert after.in_flight == 0 and after.active_clients >= 2
     gauge = next(
         line
         for line in httpx.get(server.url + "/metrics").text.splitlines()
@@ -83,16 +84,35 @@ def record(log: ActivityLog, client: str) -> None:
 def test_a_request_is_in_flight_until_it_ends_and_its_end_is_the_last_activity():
     log = ActivityLog()
     with log.request("a"):
+        time.sleep(0.05)
         during = log.snapshot()
-        time.sleep(0.01)
     after = log.snapshot()
     assert during.in_flight == 1 and after.in_flight == 0
-    assert during.last_request_at is not None and after.last_request_at is not None
-    assert after.last_request_at > during.last_request_at
+    assert during.idle_seconds is not None and after.idle_seconds is not None
+    assert after.idle_seconds < 0.05 <= during.idle_seconds  # the end counts: the age starts again
     with pytest.raises(RuntimeError), log.request("b"):
         raise RuntimeError("a failed request still ends")
     assert log.snapshot().in_flight == 0 and log.active() == 2
     assert log.active(window=0) == 0
+
+
+def test_ages_do_not_follow_the_wall_clock(monkeypatch):
+    """A wall clock set back (or a node's skew) cannot age a request: ages come from the monotonic clock."""
+    log = ActivityLog()
+    record(log, "a")
+    monkeypatch.setattr(time, "time", lambda: 0.0)  # 1970: a clock set back decades
+    seen = log.snapshot()
+    assert seen.idle_seconds is not None and 0 <= seen.idle_seconds < 5
+    assert 0 <= seen.clients[0].idle_seconds < 5 and seen.active_clients == 1
+
+
+def test_without_identities_only_counts_and_ages_are_shown():
+    log = ActivityLog()
+    record(log, "trainer-a/1")
+    record(log, "trainer-b/2")
+    hidden = log.snapshot(identities=False)
+    assert hidden.clients == () and hidden.active_clients == 2 and hidden.requests == 2
+    assert hidden.idle_seconds is not None
 
 
 @pytest.mark.parametrize("name", ["", "job-7"])

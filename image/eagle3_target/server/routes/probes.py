@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from eagle3_target.server.deps import StateDep, TargetDep
+
+# Set by the auth middleware on the probes' requests of a target with auth: whether the caller sent the token.
+AUTHENTICATED = "authenticated"
 
 router = APIRouter()
 
@@ -17,9 +20,12 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(state: StateDep, _target: TargetDep) -> dict[str, object]:
-    """Ready, and who has pulled lately (what the operator reads to tell a used target from an idle one)."""
-    return {"status": "ready", "activity": state.activity.snapshot().model_dump(mode="json", by_alias=True)}
+async def readyz(request: Request, state: StateDep, _target: TargetDep) -> dict[str, object]:
+    """Ready, and how much it was pulled from lately (what the operator reads to tell a used target from an
+    idle one); who pulled only for a caller that may know (AUTHENTICATED)."""
+    identities = getattr(request.state, AUTHENTICATED, True)  # no auth: every caller may
+    activity = state.activity.snapshot(identities=identities)
+    return {"status": "ready", "activity": activity.model_dump(mode="json", by_alias=True)}
 
 
 @router.get("/metrics")
