@@ -32,15 +32,22 @@ from support.fake_vllm.outputs import CompletionOutput, Logprob, RequestOutput, 
 
 # Seconds one engine step takes in the stand-in: the delay between a request finishing and its write.
 STEP_S = 0.02
+# vLLM's default KV cache block size on CUDA (`CacheConfig.block_size`).
+KV_BLOCK_TOKENS = 16
 
 
 class EngineCoreClient:
+    """`SyncMPClient`: `resources.engine_dead` is set once the engine core process is gone (shut down, or
+    exited on its own: a test sets it to play a dead engine core)."""
+
     def __init__(self, on_shutdown: Callable[[], None]) -> None:
         self.running = True
         self.on_shutdown = on_shutdown
+        self.resources = types.SimpleNamespace(engine_dead=False)
 
     def shutdown(self, timeout: float | None = None) -> None:
         self.running = False
+        self.resources.engine_dead = True
         self.on_shutdown()
 
 
@@ -52,6 +59,8 @@ class LLM:
     # token_ids) before they are written, or vLLM's logits before sampling, to reproduce engine faults.
     capture_fault: ClassVar[Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None] = None
     logit_fault: ClassVar[Callable[[Tensor], Tensor] | None] = None
+    # The KV cache the engine core allocates (on a GPU: what gpu_memory_utilization leaves), in tokens.
+    kv_cache_tokens: ClassVar[int] = 1 << 20
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         capture = check_configs(kwargs)
@@ -77,8 +86,13 @@ class LLM:
             dtype=resolved, max_model_len=max_model_len, max_logprobs=kwargs.get("max_logprobs", 20)
         )
         # The engine process exits on shutdown: the locks of writes it never finished are released.
+        # The cache config as the engine core hands it back at start (`num_gpu_blocks` filled in).
+        cache_config = types.SimpleNamespace(
+            block_size=KV_BLOCK_TOKENS, num_gpu_blocks=LLM.kv_cache_tokens // KV_BLOCK_TOKENS
+        )
         self.llm_engine = types.SimpleNamespace(
-            engine_core=EngineCoreClient(lambda: self.release_stalled_writes(write=False))
+            engine_core=EngineCoreClient(lambda: self.release_stalled_writes(write=False)),
+            vllm_config=types.SimpleNamespace(cache_config=cache_config),
         )
         self.request_counter = itertools.count()
         self.writer = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-hs-save")
@@ -150,8 +164,9 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if not self.llm_engine.engine_core.running:
-            raise RuntimeError("the engine core has shut down")
+        if self.llm_engine.engine_core.resources.engine_dead:
+            # EngineDeadError's message
+            raise RuntimeError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
         params = sampling_params or SamplingParams()
         num_logprobs = params.logprobs
         if num_logprobs is not None and num_logprobs > self.model_config.max_logprobs:

@@ -73,9 +73,35 @@ class TargetRunner(Protocol):
         """[H]."""
         ...
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can run no more batches (a worker process died, the device was lost), or None
+        while it can. A failed batch is that batch's error; this is for the engine itself: the server turns
+        unready and exits on it, so that Kubernetes restarts the pod."""
+        ...
+
     def close(self) -> None:
         """Release the engine (GPU memory, worker processes)."""
         ...
+
+
+def process_lost(exc: BaseException) -> bool:
+    """Whether `exc` leaves this process unable to run another batch: a CUDA error other than running out
+    of memory (a device-side assert, an illegal address) poisons the CUDA context for good."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc)
+
+
+def refuse_batches_beyond_cache(max_batch_tokens: int | None, cache_tokens: int, grow: str) -> None:
+    """Refuse, at load, a `max_batch_tokens` the engine's KV cache cannot hold at once: such a batch would
+    fail in the engine (SGLang's "Prefill out of memory") or be split and preempted (vLLM's scheduler), after
+    the server had accepted it. `grow` says how to give this engine's cache more memory."""
+    if max_batch_tokens is not None and max_batch_tokens > cache_tokens:
+        raise ModelRefused(
+            f"--max-batch-tokens {max_batch_tokens} is more than the engine's KV cache holds ({cache_tokens} "
+            f"tokens): set --max-batch-tokens {cache_tokens} or less, or {grow}"
+        )
 
 
 @dataclass(frozen=True)

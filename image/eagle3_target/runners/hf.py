@@ -21,6 +21,7 @@ from eagle3_target.runners.base import (
     check_inputs,
     logit_transform,
     parse_dtype,
+    process_lost,
     text_config,
 )
 
@@ -55,6 +56,7 @@ class HFRunner:
         if len(self._layers) != num_layers:
             raise ValueError(f"config says {num_layers} layers but the model has {len(self._layers)}")
         self.aux_layer_ids: list[int] = []
+        self._failure: str | None = None
         self.set_aux_layers(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids)
 
     @classmethod
@@ -136,6 +138,10 @@ class HFRunner:
         try:
             with torch.no_grad():
                 main = run(ids.to(device), mask.to(device))
+        except Exception as exc:
+            if process_lost(exc):
+                self._failure = f"the model lost its device: {type(exc).__name__}: {exc}"
+            raise
         finally:
             for handle in handles:
                 handle.remove()
@@ -157,6 +163,10 @@ class HFRunner:
         weight = self._final_norm.weight
         assert isinstance(weight, Tensor)  # a norm's weight is a parameter, not a submodule
         return weight.detach()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
 
     def close(self) -> None:
         """Drop the model; the memory returns once the last reference goes."""

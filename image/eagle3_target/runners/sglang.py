@@ -25,13 +25,20 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
-from eagle3_target.runners.base import InvalidInput, ModelRefused, check_inputs, text_config
+from eagle3_target.runners.base import (
+    InvalidInput,
+    ModelRefused,
+    check_inputs,
+    process_lost,
+    refuse_batches_beyond_cache,
+    text_config,
+)
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
 from eagle3_target.runners.sglang_args import (
     refuse_unsupported_model,
     server_args_for,
 )
-from eagle3_target.runners.sglang_tp import RankProcesses
+from eagle3_target.runners.sglang_tp import KVPool, RankProcesses
 
 # SGLang builds its process groups and runtime context once a process (`bootstrap.init_parallel_runtime`
 # refuses a second build), so one runner at a time: the open one, if any.
@@ -85,6 +92,7 @@ class RankCapture:
 
     def __init__(self, model_runner: Any) -> None:
         self.model_runner = model_runner
+        self.failure: str | None = None
         self._layers: list[int] = []
         # Set only during a forward: where the wrapper and the hook put what SGLang does not return.
         self._final: list[Tensor] = []
@@ -111,6 +119,16 @@ class RankCapture:
     @property
     def context_len(self) -> int:
         return int(self.model_runner.model_config.context_len)
+
+    @property
+    def pool(self) -> KVPool:
+        """The KV cache and request slots SGLang allocated at start (all free between batches)."""
+        runner = self.model_runner
+        return KVPool(
+            tokens=int(runner.token_to_kv_pool_allocator.available_size()),
+            rows=int(runner.req_to_token_pool.available_size()),
+            page=int(runner.page_size or 1),
+        )
 
     def placement(self) -> tuple[int, int, int, list[int]]:
         """(tp_rank, tp_size, this rank's attention heads, its capture list as SGLang's layer indices):
@@ -212,6 +230,10 @@ class RankCapture:
                     return_hidden_states_before_norm=False,
                 )
                 return runner.forward(forward_batch).logits_output
+        except Exception as exc:
+            if process_lost(exc):
+                self.failure = f"SGLang's model runner lost its device: {type(exc).__name__}: {exc}"
+            raise
         finally:
             # Every batch starts from an empty KV cache: nothing is shared between requests.
             runner.req_to_token_pool.clear()
@@ -240,6 +262,12 @@ class Ranks(Protocol):
 
     @property
     def context_len(self) -> int: ...
+
+    @property
+    def pool(self) -> KVPool: ...
+
+    @property
+    def failure(self) -> str | None: ...
 
     def placements(self) -> list[tuple[int, int, int, list[int]]]: ...
 
@@ -314,6 +342,12 @@ class SGLangRunner:
         else:
             ranks = RankCapture(start_model_runner(server_args))
         try:
+            batch_tokens = engine_kwargs.get("max_batch_tokens")
+            refuse_batches_beyond_cache(
+                None if batch_tokens is None else int(str(batch_tokens)),
+                ranks.pool.tokens,
+                "raise the engine argument mem_fraction_static (max_total_tokens on CPU)",
+            )
             weights = load_head_weights(
                 path,
                 vocab_size=config.vocab_size,
@@ -359,6 +393,10 @@ class SGLangRunner:
         """Longest row SGLang's model runner takes (its context length)."""
         return self._ranks.context_len
 
+    @property
+    def failure(self) -> str | None:
+        return self._ranks.failure
+
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
         """Select the aux layers on every rank, with no restart. SGLang captures in layer order;
         `forward_hidden` reorders."""
@@ -387,6 +425,9 @@ class SGLangRunner:
                 f"a row has {max(lengths)} tokens; the SGLang engine takes at most {self.max_prompt_len} "
                 "(its context length)"
             )
+        refusal = self._ranks.pool.refusal(lengths)
+        if refusal is not None:
+            raise InvalidInput(f"{refusal}: send fewer tokens at once")
         prompts = [ids[r, : lengths[r]].tolist() for r in range(ids.shape[0])]
         final, aux = self._ranks.extend(prompts, prenorm)
         batch, seq = ids.shape

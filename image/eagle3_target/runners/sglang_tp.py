@@ -4,8 +4,11 @@ tp_rank and joins the process groups at `server_args.nccl_port`, gloo on CPU and
 
 Every rank runs each command (set the aux layers, one extend forward) in lockstep: the forwards meet in
 SGLang's all-reduces and all-gathers, so the hidden states each rank captures are whole and rank 0's are
-sent back. A rank that fails to start, or dies, ends every rank and the runner fails with its reason.
-Tensors come back serialised (`torch.save` into the pipe), so no shared-memory file is left behind.
+sent back. A command that raises on every rank fails that call only: the ranks are still in step and run
+the next one. A rank that fails to start, dies, loses its device (`process_lost`) or is left out of step
+(it did not answer after another rank failed) ends every rank, and `failure` says why from then on (the
+server turns unready and exits on it, so Kubernetes restarts the pod). Tensors come back serialised
+(`torch.save` into the pipe), so no shared-memory file is left behind.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from eagle3_target.runners.base import ModelRefused
+from eagle3_target.runners.base import ModelRefused, process_lost
 
 # SGLang's CPU thread binding (`srt/utils/numa_utils.py` `init_threads_binding`): without it, every rank
 # needs a NUMA node of its own; the runner then gives each rank an equal share of this process's CPUs.
@@ -41,6 +44,10 @@ SHM_DIR = Path("/dev/shm")
 SGLANG_SHM_PREFIX = "sgl_shm_"
 # How long a closing rank may take before it is killed.
 CLOSE_TIMEOUT_S = 30.0
+# How long the other ranks may take to answer a command once one rank has failed it. Ranks that refuse the
+# same batch answer together; one still busy after this waits in a collective for the failed rank, so the
+# ranks are out of step for good.
+STEP_SKEW_TIMEOUT_S = 60.0
 
 
 def cpu_shares(cpus: list[int], ranks: int) -> list[list[int]]:
@@ -61,19 +68,23 @@ def _serve(server_args: Any, tp_rank: int, env: dict[str, str], conn: Connection
             # Each rank's torch threads on its own share (SGLang binds them only with its CPU kernels).
             torch.set_num_threads(len(shares[tp_rank].split(",")))
         rank = RankCapture(start_model_runner(server_args, tp_rank))
+        loaded = (rank.dtype, rank.context_len, rank.pool)
     except BaseException as exc:
         traceback.print_exc()  # the whole story to the server's log; the reason to the runner
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ok", (rank.dtype, rank.context_len)))
+    conn.send(("ok", loaded))
     while True:
         command, args = conn.recv()
         try:
             result = getattr(rank, command)(*args)
-        except BaseException as exc:
+        except Exception as exc:
             traceback.print_exc()
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-            return
+            lost = process_lost(exc)
+            conn.send(("lost" if lost else "error", f"{type(exc).__name__}: {exc}"))
+            if lost or command == "close":
+                return  # this process can run no more commands
+            continue
         if command == "close":
             conn.send(("ok", None))
             return
@@ -86,27 +97,54 @@ def _serve(server_args: Any, tp_rank: int, env: dict[str, str], conn: Connection
         conn.send(("ok", payload))
 
 
+class KVPool(NamedTuple):
+    """What SGLang allocated at start for the one batch a rank holds at a time: KV cache slots (tokens),
+    request slots (rows), and the page size each row's slots are rounded up to."""
+
+    tokens: int
+    rows: int
+    page: int
+
+    def refusal(self, lengths: list[int]) -> str | None:
+        """Why a batch of rows of `lengths` does not fit (SGLang would fail it: "Prefill out of memory"),
+        or None when it does."""
+        slots = sum(-(-n // self.page) * self.page for n in lengths)
+        if len(lengths) > self.rows:
+            return f"the batch has {len(lengths)} rows; the engine's request pool holds {self.rows}"
+        if slots > self.tokens:
+            return f"the batch needs {slots} KV cache slots; the engine's KV cache holds {self.tokens}"
+        return None
+
+
 @dataclass
 class _Rank:
     process: BaseProcess
     conn: Connection
 
 
+class RanksEnded(RuntimeError):
+    """The ranks can run no more commands (one died, lost its device or fell out of step): every rank
+    has been ended."""
+
+
 class RankProcesses:
     """The runner's `Ranks` for tensor parallelism: one worker process per rank, driven over pipes."""
 
-    def __init__(self, ranks: list[_Rank], dtype: torch.dtype, context_len: int) -> None:
+    def __init__(self, ranks: list[_Rank], dtype: torch.dtype, context_len: int, pool: KVPool) -> None:
         self._ranks = ranks
         self.dtype = dtype
         self.context_len = context_len
+        self.pool = pool
+        self._failure: str | None = None
 
     @classmethod
     def start(cls, server_args: Any) -> RankProcesses:
         """Start `server_args.tp_size` ranks and wait until each has loaded, or one has failed."""
-        from sglang.srt.utils.network import get_free_port_below_ephemeral
-
         size = int(server_args.tp_size)
-        server_args.nccl_port = server_args.nccl_port or get_free_port_below_ephemeral()
+        if not server_args.nccl_port:
+            from sglang.srt.utils.network import get_free_port_below_ephemeral
+
+            server_args.nccl_port = get_free_port_below_ephemeral()
         env: dict[str, str] = {}  # for the ranks only; the user's own settings win
         if server_args.device == "cpu":
             shares = cpu_shares(sorted(os.sched_getaffinity(0)), size)
@@ -131,26 +169,45 @@ class RankProcesses:
         except BaseException:
             _end(ranks)
             raise
-        dtype, context_len = replies[0]
-        return cls(ranks, dtype, context_len)
+        dtype, context_len, _ = replies[0]
+        # Every rank allocates its own share of the KV cache: a batch fits when it fits the smallest.
+        pool = KVPool(min(r[2].tokens for r in replies), min(r[2].rows for r in replies), replies[0][2].page)
+        return cls(ranks, dtype, context_len, pool)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks can run no more commands, or None. Also sees a rank that died between commands
+        (its process sentinel is ready) before the next command finds it."""
+        if self._failure is not None or not self._ranks:
+            return self._failure
+        ranks = self._ranks
+        exited = wait([rank.process.sentinel for rank in ranks], 0)
+        if not exited:
+            return None
+        r = next(r for r, rank in enumerate(ranks) if rank.process.sentinel in exited)
+        return f"SGLang tensor-parallel rank {r} has exited"
 
     def _call(self, command: str, *args: Any) -> list[Any]:
         """Run `command` on every rank in lockstep: each rank's result (only rank 0 sends its forwards').
-        A rank that fails ends them all."""
+        A command that every rank answered, with an error or not, leaves them running; a rank that died,
+        or did not answer after another failed, ends them all (`RanksEnded`)."""
         if not self._ranks:
-            raise RuntimeError("SGLang's tensor-parallel ranks have ended (closed, or one failed)")
+            raise RanksEnded(
+                f"SGLang's tensor-parallel ranks have ended: {self._failure or 'the runner is closed'}"
+            )
         try:
             for r, rank in enumerate(self._ranks):
                 try:
                     rank.conn.send((command, args))
                 except OSError:  # the rank has gone: its pipe is closed
                     rank.process.join(CLOSE_TIMEOUT_S)
-                    raise RuntimeError(
+                    raise RanksEnded(
                         f"SGLang tensor-parallel rank {r} failed ({command}): it exited with code "
                         f"{rank.process.exitcode}"
                     ) from None
             results = _collect(self._ranks, command)
-        except BaseException:
+        except RanksEnded as exc:
+            self._failure = str(exc)
             self._end()
             raise
         return [None if result is None else torch.load(io.BytesIO(result)) for result in results]
@@ -187,13 +244,24 @@ class RankProcesses:
 
 
 def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> list[Any]:
-    """Each rank's reply to `command`, waiting until all have replied or one has failed or died."""
+    """Each rank's reply to `command`, waiting until all have replied. The first error is raised once every
+    rank has answered (ModelRefused at start, RuntimeError after); `RanksEnded` when a rank died or lost its
+    device, or did not answer within `STEP_SKEW_TIMEOUT_S` of another's error, or all of them did not
+    within `timeout`."""
     replies: dict[int, Any] = {}
+    errors: list[str] = []
+    lost = False
     while len(replies) < len(ranks):
         waiting = [r for r in range(len(ranks)) if r not in replies]
-        ready = wait([ranks[r].conn for r in waiting] + [ranks[r].process.sentinel for r in waiting], timeout)
+        limit = STEP_SKEW_TIMEOUT_S if errors and command != "start" else timeout
+        ready = wait([ranks[r].conn for r in waiting] + [ranks[r].process.sentinel for r in waiting], limit)
         if not ready:
-            raise RuntimeError(f"SGLang's tensor-parallel ranks did not finish {command} in {timeout} s")
+            if errors:
+                late = ", ".join(map(str, waiting))
+                raise RanksEnded(
+                    f"{errors[0]}; rank {late} did not answer in {limit} s: the ranks are out of step"
+                )
+            raise RanksEnded(f"SGLang's tensor-parallel ranks did not finish {command} in {timeout} s")
         for r in waiting:
             rank = ranks[r]
             try:
@@ -204,12 +272,22 @@ def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> 
                 if rank.conn not in ready and rank.process.sentinel not in ready:
                     continue
                 rank.process.join(CLOSE_TIMEOUT_S)
-                reply = ("error", f"it exited with code {rank.process.exitcode}")
+                message = (
+                    f"SGLang tensor-parallel rank {r} failed ({command}): it exited with code "
+                    f"{rank.process.exitcode}"
+                )
+                if command == "start":
+                    raise ModelRefused(message)
+                raise RanksEnded("; ".join([*errors, message]))
             status, value = reply
             if status != "ok":
-                message = f"SGLang tensor-parallel rank {r} failed ({command}): {value}"
-                raise ModelRefused(message) if command == "start" else RuntimeError(message)
+                errors.append(f"SGLang tensor-parallel rank {r} failed ({command}): {value}")
+                lost = lost or status == "lost"
+                if command == "start":  # the others wait for it at the rendezvous: no use waiting for them
+                    raise ModelRefused(errors[0])
             replies[r] = value
+    if errors:
+        raise RanksEnded(errors[0]) if lost else RuntimeError(errors[0])
     return [replies[r] for r in range(len(ranks))]
 
 

@@ -26,7 +26,13 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from eagle3_target.contract import default_aux_layer_ids
-from eagle3_target.runners.base import InvalidInput, ModelRefused, check_inputs, text_config
+from eagle3_target.runners.base import (
+    InvalidInput,
+    ModelRefused,
+    check_inputs,
+    refuse_batches_beyond_cache,
+    text_config,
+)
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
 from eagle3_target.runners.vllm_args import parse_positive_int, vllm_dtype_name, vllm_engine_kwargs
 from eagle3_target.runners.vllm_capture import (
@@ -96,6 +102,7 @@ class VLLMRunner:
         trust_remote_code: bool,
         engine_kwargs: dict[str, Any],
         capture_timeout_s: float = DEFAULT_CAPTURE_TIMEOUT_S,
+        max_batch_tokens: int | None = None,
     ) -> None:
         self._model_path = model_path
         self._config = config
@@ -105,6 +112,7 @@ class VLLMRunner:
         self._trust_remote_code = trust_remote_code
         self._engine_kwargs = engine_kwargs
         self._capture_timeout_s = capture_timeout_s
+        self._max_batch_tokens = max_batch_tokens
         # Capture files whose write had not ended when their batch was done; removed by later batches.
         self._unfinished: set[str] = set()
         self._llm: Any = None
@@ -130,7 +138,7 @@ class VLLMRunner:
     ) -> VLLMRunner:
         """Start the engine. `hidden_states_dir` should be memory-backed: every request's capture passes
         through it as a file; `capture_timeout_s` bounds the wait for one file's write; `max_batch_tokens`
-        (the server's) sizes the KV cache on vLLM's CPU platform. `engine_kwargs` are vLLM engine arguments
+        (the server's) sizes the KV cache on vLLM's CPU platform, and must fit in the one vLLM allocates. `engine_kwargs` are vLLM engine arguments
         (see `vllm_engine_kwargs`). Everything that can be refused is refused before the engine starts, with
         CUDA left uninitialised in this process."""
         model_path = str(model_path)
@@ -169,6 +177,7 @@ class VLLMRunner:
                 trust_remote_code,
                 typed_kwargs,
                 timeout_s,
+                batch_tokens,
             )
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -218,6 +227,11 @@ class VLLMRunner:
         # One greedy token: the capture covers the prompt; generating more would only cost time.
         self._sampling_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         try:
+            refuse_batches_beyond_cache(
+                self._max_batch_tokens,
+                self.kv_cache_tokens,
+                "raise the engine argument gpu_memory_utilization (kv_cache_memory_bytes on CPU)",
+            )
             if self._head is None:
                 # After the engine starts, so CUDA is not initialised before vLLM forks its workers.
                 weights = load_head_weights(
@@ -304,6 +318,23 @@ class VLLMRunner:
     def engine(self) -> Any:
         """The running `vllm.LLM`, for inspection (its `llm_engine.vllm_config` says what vLLM runs with)."""
         return self._llm
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens vLLM's KV cache holds at once, as its engine core allocated it (its blocks, in the config
+        the engine core hands back at start)."""
+        cache = self._llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+    @property
+    def failure(self) -> str | None:
+        """vLLM marks its client dead when the engine core process exits (a worker failed, or a batch raised
+        in the engine: vLLM ends its engine core then); every later `generate` raises EngineDeadError."""
+        if self._llm is None:
+            return "the vLLM engine is not running (closed, or its restart failed)"
+        if self._llm.llm_engine.engine_core.resources.engine_dead:
+            return "vLLM's engine core has exited (the log above it says why); vLLM does not restart it"
+        return None
 
     @property
     def hidden_states_dir(self) -> Path:

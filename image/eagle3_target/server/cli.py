@@ -50,7 +50,7 @@ def serve(**flags: Any) -> None:
     """
     import uvicorn
 
-    from eagle3_target.protocol import EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED
+    from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED
     from eagle3_target.server.app import create_app
     from eagle3_target.server.http_protocol import (
         ConnectionGuard,
@@ -111,10 +111,12 @@ def serve(**flags: Any) -> None:
         )
     )
     state = app.state.server
-    state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    state.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     if state.loading.failure is not None:
         raise typer.Exit(EXIT_LOAD_FAILED)  # the loader already logged and wrote the line
+    if state.engine_failure is not None:
+        raise typer.Exit(EXIT_ENGINE_FAILED)  # as the state did, when it found the engine dead
 
 
 # typer reads a command's flags from its signature.

@@ -212,8 +212,12 @@ def failure_line(exc: BaseException) -> str:
         line = f"the engine refused the model: {exc}"
     else:
         line = f"model load failed: {type(exc).__name__}: {exc}; the server log has the traceback"
-    line = " ".join(line.split())  # one line, whatever the exception's message looked like
-    return line.encode()[:TERMINATION_MESSAGE_LIMIT].decode(errors="ignore")
+    return one_line(line)
+
+
+def one_line(text: str) -> str:
+    """`text` as one line, whatever it looked like, cut to what the kubelet keeps of a termination message."""
+    return " ".join(text.split()).encode()[:TERMINATION_MESSAGE_LIMIT].decode(errors="ignore")
 
 
 def write_termination_message(path: Path, line: str) -> None:

@@ -15,7 +15,13 @@ from eagle3_target.runners import InvalidInput, ModelRefused
 from eagle3_target.server.activity import ActivityLog
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, Tensors
 from eagle3_target.server.errors import NotReady, TooManyRequests, Unprocessable
-from eagle3_target.server.loading import LoadFailed, LoadTracker, failure_line, write_termination_message
+from eagle3_target.server.loading import (
+    LoadFailed,
+    LoadTracker,
+    failure_line,
+    one_line,
+    write_termination_message,
+)
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.staging import HostOutputs
@@ -41,9 +47,11 @@ class ServerState:
         self.nemo_bindings = NemoMappingBindings(self.mappings)
         self.target: LoadedTarget | None = None
         self.loading = LoadTracker()
-        # Called (from the loader thread) once a load has failed: the CLI stops the server then, which
-        # exits non-zero. Embedded servers (tests) keep answering 503 with the reason instead.
-        self.on_load_failure: Callable[[], None] = lambda: None
+        # Called once the server can serve no more: a load failed (from the loader thread), or the engine
+        # died (`require_target` finds it). The CLI stops the server then, which exits non-zero so that
+        # Kubernetes restarts the pod. Embedded servers (tests) keep answering 503 with the reason instead.
+        self.on_failure: Callable[[], None] = lambda: None
+        self.engine_failure: str | None = None  # why the loaded engine died, once it has
         self._loader = threading.Thread(target=self._load, name="eagle3-loader", daemon=True)
 
     def start_loading(self) -> None:
@@ -59,7 +67,7 @@ class ServerState:
             log.error("model load failed: %s", line, exc_info=not isinstance(exc, LoadFailed | ModelRefused))
             write_termination_message(self.settings.termination_log, line)
             self.loading.fail(line)
-            self.on_load_failure()
+            self.on_failure()
             return
         self.worker.start()
         self.metrics.model_info.info({k: str(v) for k, v in target.info.model_dump(mode="json").items()})
@@ -74,14 +82,29 @@ class ServerState:
             self.target.runner.close()
 
     def require_target(self) -> LoadedTarget:
-        """The loaded target, or 503 with the load's phase and progress (or, after a failed load, why)."""
+        """The loaded target, or 503 with the load's phase and progress (or, after a failed load, why). A
+        loaded target whose engine has died is 503 with why, for good: /readyz fails, and the server stops
+        (`on_failure`) the first time a request or probe finds it, so the pod is restarted."""
         if self.target is not None:
-            return self.target
+            failure = self.engine_failure or self.target.runner.failure
+            if failure is None:
+                return self.target
+            if self.engine_failure is None:
+                self._engine_died(failure)
+            raise NotReady(f"the engine has failed: {failure}")
         progress = self.loading.snapshot()
         details: dict[str, object] = {"loading": progress.model_dump(mode="json")}
         if progress.phase is LoadPhase.FAILED:
             raise NotReady(f"model failed to load: {progress.message}", details=details)
         raise NotReady(f"model is loading: {progress.message}", headers={"Retry-After": "5"}, details=details)
+
+    def _engine_died(self, failure: str) -> None:
+        line = one_line(f"the engine failed: {failure}; the server exits so that it is restarted")
+        log.error(line)
+        write_termination_message(self.settings.termination_log, line)
+        self.engine_failure = failure
+        self.metrics.ready.set(0)
+        self.on_failure()
 
     async def run_on_engine(self, job: EngineJob) -> Tensors:
         """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result, on the

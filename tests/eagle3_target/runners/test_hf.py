@@ -199,3 +199,26 @@ def test_forward_hidden_refuses_a_model_whose_logits_are_scaled_after_the_lm_hea
     runner.model.config.logits_scaling = 1.0
     final, _ = runner.forward_hidden(ids)
     torch.testing.assert_close(torch.nn.functional.linear(final, runner.lm_head_weight()), logits * 8.0)
+
+
+@pytest.mark.parametrize(
+    ("error", "failure"),
+    [
+        (torch.AcceleratorError("CUDA error: device-side assert triggered"), "lost its device: Accelerator"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), None),
+        (RuntimeError("an engine bug"), None),
+    ],
+)
+def test_only_a_lost_device_is_the_runners_failure(tiny_llama_dir, error, failure):
+    """A CUDA error poisons the process's CUDA context for good; running out of memory fails one batch."""
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
+    assert runner.failure is None
+
+    def fault(*_args: object) -> None:
+        raise error
+
+    handle = runner.model.model.layers[2].register_forward_hook(fault)
+    with pytest.raises(type(error)):
+        runner.forward_eagle3(token_batch(0).input_ids)
+    handle.remove()
+    assert (runner.failure is None) if failure is None else (failure in (runner.failure or ""))

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 import torch
-from eagle3_target.runners import ModelRefused
+from eagle3_target.runners import InvalidInput, ModelRefused
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.sglang import SGLangRunner
 from eagle3_target.runners.sglang_tp import CPU_BIND_ENV, SGLANG_SHM_PREFIX
@@ -78,6 +78,37 @@ def test_a_rank_that_fails_to_start_fails_the_runner_with_its_reason(paths, monk
     assert ranks_running() <= before, "a rank process outlived the failed start"
 
 
+def test_a_batch_budget_beyond_the_kv_cache_is_refused_at_load(paths):
+    """SGLang's KV cache holds fewer tokens than --max-batch-tokens (on a GPU: what mem_fraction_static
+    leaves): a batch the server accepts would fail in SGLang ("Prefill out of memory"), so loading refuses."""
+    before = ranks_running()
+    options = {**OPTIONS, "max_total_tokens": 512}
+    with pytest.raises(
+        ModelRefused, match=r"--max-batch-tokens 1024 is more than the engine's KV cache holds \(\d+ tokens\)"
+    ):
+        SGLangRunner.from_pretrained(paths["llama"], dtype="float32", device="cpu", **options)
+    assert ranks_running() <= before, "a rank process outlived the refused load"
+
+
+def test_a_batch_sglang_refuses_fails_alone_and_the_ranks_serve_on(engine, paths):
+    runner = engine["llama"]
+    hf = HFRunner.from_pretrained(paths["llama"], dtype="float32", device="cpu", aux_layer_ids=AUX)
+    pool = runner._ranks.pool
+    assert pool.tokens >= OPTIONS["max_batch_tokens"]
+    rows = pool.tokens // 100 + 1
+    too_many = torch.randint(0, 256, (rows, 100))
+    # Refused before compute: more tokens than SGLang's KV cache (or more rows than its request pool) holds.
+    with pytest.raises(InvalidInput, match=r"the engine's (KV cache|request pool) holds \d+: send fewer"):
+        runner.forward_hidden(too_many)
+    # Past that check, it fails on every rank (in SGLang's allocation, before any collective), and the ranks
+    # stay in step for the next batch.
+    with pytest.raises(RuntimeError, match=r"rank [01] failed \(extend\): "):
+        runner._ranks.extend(too_many.tolist(), False)
+    assert runner.failure is None
+    input_ids, mask = ragged_rows(256)
+    assert_every_format_matches(runner, hf, input_ids, mask, ATOL)
+
+
 def test_two_ranks_each_hold_half_the_heads(engine):
     runner = engine["llama"]
     assert runner.engine is None
@@ -124,6 +155,7 @@ def test_close_and_a_dead_rank_leave_no_process_port_or_shared_memory_file(engin
     assert ranks_running() <= before.processes
     with pytest.raises(RuntimeError, match="ranks have ended"):
         runner.forward_hidden(input_ids, mask)
+    assert "SGLang tensor-parallel rank" in (runner.failure or "")
     engine.close()
     for opened in engine.opened:
         with socket.socket() as sock:  # nothing listens on a rendezvous port (closed connections may linger)

@@ -243,3 +243,34 @@ def test_startup_refuses_logits_that_differ_beyond_a_scale(tiny_llama_dir, fake_
     monkeypatch.setattr(fake_vllm.LLM, "logit_fault", staticmethod(lambda logits: logits + 2.0 * offset))
     with pytest.raises(ModelRefused, match=r"differ from vLLM's by up to"):
         open_runner(tiny_llama_dir, shm)
+
+
+def test_a_batch_budget_beyond_the_kv_cache_is_refused_at_load(tiny_llama_dir, fake_vllm, shm, monkeypatch):
+    """A batch the KV cache cannot hold at once would be split and preempted by vLLM's scheduler after the
+    server accepted it: the budget is checked against the cache the engine core allocated."""
+    monkeypatch.setattr(fake_vllm.LLM, "kv_cache_tokens", 512)
+    with pytest.raises(
+        ModelRefused,
+        match=r"--max-batch-tokens 1024 is more than the engine's KV cache holds \(512 tokens\): set "
+        r"--max-batch-tokens 512 or less, or raise the engine argument gpu_memory_utilization",
+    ):
+        open_runner(tiny_llama_dir, shm, max_batch_tokens=1024)
+    (llm,) = fake_vllm.LLM.created
+    assert not llm.llm_engine.engine_core.running
+    assert list(shm.iterdir()) == []
+    runner = open_runner(tiny_llama_dir, shm, max_batch_tokens=512)
+    assert runner.kv_cache_tokens == 512
+    runner.close()
+
+
+def test_an_engine_core_that_exited_is_the_runners_failure(tiny_llama_dir, fake_vllm, shm):
+    runner = open_runner(tiny_llama_dir, shm)
+    assert runner.failure is None
+    # What vLLM's engine-core monitor thread sets when the process exits (a worker died, a batch raised).
+    fake_vllm.LLM.created[-1].llm_engine.engine_core.resources.engine_dead = True
+    assert (
+        runner.failure
+        == "vLLM's engine core has exited (the log above it says why); vLLM does not restart it"
+    )
+    runner.close()
+    assert runner.failure is not None and "not running" in runner.failure

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from eagle3_target.runners import ModelRefused
@@ -20,6 +21,7 @@ from eagle3_target.runners.vllm import VLLMRunner
 from eagle3_target.runners.vllm_cpu import cpu_kv_cache_bytes
 from transformers import AutoConfig
 
+from support.cluster.waiting import eventually
 from support.supervision import (
     assert_every_format_matches,
     ragged_rows,
@@ -89,6 +91,9 @@ def test_engine_arguments_reach_vllm_and_the_cpu_kv_cache_is_sized(engines, tiny
         config, "float32", max_model_len=MAX_MODEL_LEN, max_batch_tokens=MAX_BATCH_TOKENS
     )
     assert vllm_config.cache_config.kv_cache_memory_bytes == expected
+    # The cache vLLM allocated holds a whole batch (the runner refuses to load otherwise).
+    cache = vllm_config.cache_config
+    assert runner.kv_cache_tokens == cache.num_gpu_blocks * cache.block_size >= MAX_BATCH_TOKENS
     # The longest row it takes is captured at every position; one more token is refused before vLLM.
     longest = torch.randint(0, 256, (1, MAX_MODEL_LEN - 1))
     final, aux = runner.forward_hidden(longest)
@@ -108,6 +113,24 @@ def test_the_startup_check_refuses_logits_it_cannot_rebuild(tiny_llama_dir, tmp_
     assert [p for p in shm.rglob("*") if p.is_file()] == []
 
 
+def test_a_batch_budget_beyond_the_kv_cache_vllm_allocated_is_refused_at_load(tiny_llama_dir, tmp_path):
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    one_row = cpu_kv_cache_bytes(config, "float32", max_model_len=MAX_MODEL_LEN, max_batch_tokens=None)
+    shm = tmp_path / "shm"
+    with pytest.raises(
+        ModelRefused, match=r"--max-batch-tokens 8192 is more than the engine's KV cache holds \(\d+ tokens\)"
+    ):
+        open_runner(
+            tiny_llama_dir,
+            shm,
+            max_batch_tokens=8192,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_memory_bytes=one_row,
+            **CPU_ENGINE_ARGS,
+        )
+    assert [p for p in shm.rglob("*") if p.is_file()] == []
+
+
 def test_set_aux_layers_restarts_the_engine_with_the_new_layers(engines, tiny_llama_dir):
     runner = engines["llama"]
     before = runner.engine
@@ -123,3 +146,16 @@ def test_set_aux_layers_restarts_the_engine_with_the_new_layers(engines, tiny_ll
     restarted = runner.engine
     runner.set_aux_layers([4, 1, 3])  # the same layers: no restart
     assert runner.engine is restarted and list(Path(runner.hidden_states_dir).iterdir()) == []
+
+
+def test_an_engine_core_that_died_is_the_runners_failure(engines):
+    """Last: it ends the module's Llama engine. vLLM ends its engine core when a worker dies or a batch
+    raises in it, and never restarts it; the runner says so, for the server to turn unready and exit."""
+    runner = engines["llama"]
+    assert runner.failure is None
+    (engine_core,) = runner.engine.llm_engine.engine_core.resources.engine_manager.processes
+    psutil.Process(engine_core.pid).kill()
+    failure = eventually(lambda: runner.failure, "vLLM to see its engine core gone")
+    assert failure.startswith("vLLM's engine core has exited")
+    with pytest.raises(Exception, match="EngineCore encountered an issue"):
+        runner.forward_hidden(*ragged_rows(256))

@@ -1,0 +1,88 @@
+"""Tensor-parallel ranks that fail: a batch every rank refuses fails alone and the ranks run the next one; a
+lost device, a rank that fails alone (the others wait for it in a collective) or a rank that dies ends them
+all and `failure` says why. The ranks are real spawned processes driven over their pipes; their SGLang model
+runner is the fault-injecting stand-in of support/sglang_rank_faults (a real engine cannot be made to lose
+its device or fail on one rank only), so these run without SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from eagle3_target.runners import sglang_tp
+from eagle3_target.runners.sglang_tp import RankProcesses, RanksEnded
+
+from support.cluster.waiting import eventually, free_port
+from support.sglang_rank_faults import sitecustomize as faults
+
+GOOD = [[1, 2, 3], [4, 5]]
+
+
+@pytest.fixture
+def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[RankProcesses]:
+    """Two ranks whose model runner is the stand-in (every spawned process imports its sitecustomize)."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(faults.__file__).parent))
+    started = RankProcesses.start(SimpleNamespace(tp_size=2, nccl_port=free_port(), device="cpu"))
+    yield started
+    started.close()
+
+
+def assert_serves(ranks: RankProcesses) -> None:
+    final, aux = ranks.extend(GOOD, False)
+    assert (tuple(final.shape), tuple(aux.shape)) == ((5, faults.HIDDEN), (5, 3 * faults.HIDDEN))
+    assert not final.any(), "rank 0's states are the runner's"
+    assert ranks.failure is None
+
+
+def test_a_batch_every_rank_refuses_fails_alone_and_the_ranks_run_the_next(ranks):
+    assert ranks.pool == faults.POOL
+    assert_serves(ranks)
+    for _ in range(2):
+        with pytest.raises(
+            RuntimeError, match=r"rank 0 failed \(extend\): RuntimeError: Prefill out of memory"
+        ):
+            ranks.extend([[1, faults.REFUSED_BY_EVERY_RANK]], False)
+        assert_serves(ranks)
+
+
+def test_a_lost_device_ends_every_rank_and_says_why(ranks):
+    with pytest.raises(RanksEnded, match="AcceleratorError: CUDA error: an illegal memory access"):
+        ranks.extend([[faults.DEVICE_LOST]], False)
+    assert "illegal memory access" in (ranks.failure or "")
+    assert not rank_processes()
+    with pytest.raises(RanksEnded, match=r"ranks have ended: .*illegal memory access"):
+        ranks.extend(GOOD, False)
+
+
+def test_a_rank_that_fails_alone_leaves_the_ranks_out_of_step_and_ends_them(ranks, monkeypatch):
+    monkeypatch.setattr(sglang_tp, "STEP_SKEW_TIMEOUT_S", 1.0)
+    with pytest.raises(RanksEnded, match=r"rank 1 failed \(extend\).*rank 0 did not answer .*out of step"):
+        ranks.extend([[faults.FAILED_BY_RANK_1]], False)
+    assert "out of step" in (ranks.failure or "")
+    with pytest.raises(RanksEnded, match="ranks have ended"):
+        ranks.extend(GOOD, False)
+
+
+def test_a_rank_that_died_between_batches_is_the_failure_before_the_next_batch(ranks):
+    assert_serves(ranks)
+    rank_processes()[1].kill()
+    assert (
+        eventually(lambda: ranks.failure, "the dead rank seen") == "SGLang tensor-parallel rank 1 has exited"
+    )
+    with pytest.raises(RanksEnded, match=r"rank 1 failed \(extend\): it exited"):
+        ranks.extend(GOOD, False)
+    assert "rank 1 failed (extend)" in (ranks.failure or "")
+
+
+def rank_processes() -> list[psutil.Process]:
+    """The live rank processes, rank 0 first (started in order), but multiprocessing's resource tracker."""
+    children = [
+        p
+        for p in psutil.Process().children()
+        if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    return sorted(children, key=lambda p: p.create_time())
