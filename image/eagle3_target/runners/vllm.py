@@ -138,9 +138,9 @@ class VLLMRunner:
     ) -> VLLMRunner:
         """Start the engine. `hidden_states_dir` should be memory-backed: every request's capture passes
         through it as a file; `capture_timeout_s` bounds the wait for one file's write; `max_batch_tokens`
-        (the server's) sizes the KV cache on vLLM's CPU platform, and must fit in the one vLLM allocates. `engine_kwargs` are vLLM engine arguments
-        (see `vllm_engine_kwargs`). Everything that can be refused is refused before the engine starts, with
-        CUDA left uninitialised in this process."""
+        (the server's) sizes the KV cache on vLLM's CPU platform, and must fit in the one vLLM allocates.
+        `engine_kwargs` are vLLM engine arguments (see `vllm_engine_kwargs`). Everything that can be refused
+        is refused before the engine starts, with CUDA left uninitialised in this process."""
         model_path = str(model_path)
         typed_kwargs = vllm_engine_kwargs(engine_kwargs)
         try:
