@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import sgl_kernel
 import torch
-from eagle3_target.runners import ModelRefused, check_engine_args
+from eagle3_target.runners import InvalidInput, ModelRefused, check_engine_args
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.runners.sglang import SGLangRunner
 
@@ -60,6 +60,21 @@ def test_the_engine_arguments_reach_sglang(engines):
     assert final.shape == (1, MAX_MODEL_LEN, 64) and bool(aux[0, -1].abs().sum() > 0)
     with pytest.raises(ValueError, match=f"at most {MAX_MODEL_LEN}"):
         runner.forward_hidden(torch.randint(0, 256, (1, MAX_MODEL_LEN + 1)))
+
+
+def test_a_batch_beyond_sglangs_request_pool_is_refused_before_compute_and_the_engine_serves_on(engines):
+    """SGLang allocates its request pool (max_running_requests rows) and KV cache once; a batch beyond either
+    would fail inside its allocation, not even with SGLang's own message (the runner has no prefix cache to
+    evict from). The KV cache's refusal: test_sglang_tp_on_sglang_cpu.py."""
+    runner = engines["llama"]
+    rows = runner.engine.req_to_token_pool.available_size()
+    with pytest.raises(
+        InvalidInput, match=f"the batch has {rows + 1} rows; the engine's request pool holds {rows}"
+    ):
+        runner.forward_hidden(torch.randint(0, 256, (rows + 1, 1)))
+    assert runner.failure is None
+    final, _ = runner.forward_hidden(torch.randint(0, 256, (rows, 3)))
+    assert final.shape == (rows, 3, 64)
 
 
 def test_a_second_engine_in_the_process_is_refused(engines, tiny_qwen3_dir):
