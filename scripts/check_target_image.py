@@ -26,7 +26,6 @@ from eagle3_target.protocol import EXIT_LOAD_FAILED
 from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import load, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from support.cluster.waiting import LOOPBACK, free_port
 from support.containers import ReadOnlyContainer, build_image
 from support.vllm_runner import CPU_ENGINE_ARGS
