@@ -4,7 +4,8 @@ Runners are not re-entrant (HF capture hooks, vLLM's engine), so exactly one thr
 loop only enqueues and awaits. A job is coalesced with later queued jobs that have the same ``batch_key``
 (same computation: kind, format, dtype, vocab mapping) and the same sequence length, up to
 ``max_batch_tokens``; the combined output is split back by rows, so each request gets only its own rows,
-and each request's rows start their way to the host (`staging`) before the next batch runs.
+and each request's rows start their way to the host (`staging`) before the next batch runs. A job whose
+future is cancelled (its client left) is dropped from the queue and never run.
 """
 
 from __future__ import annotations
@@ -99,7 +100,21 @@ class EngineWorker:
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()
+        job.future.add_done_callback(self._withdraw)
         return job.future
+
+    def _withdraw(self, future: Future) -> None:
+        """A job cancelled while it waited (its client left) leaves the queue at once: it is never run and
+        holds no place that a live request could have. (Found by its future: a callback holding the job
+        would make a reference cycle that keeps every answer alive until the garbage collector runs.)"""
+        if not future.cancelled():
+            return
+        with self._cond:
+            for job in self._queue:
+                if job is not None and job.future is future:
+                    self._queue.remove(job)
+                    self.metrics.queue_depth.set(len(self._queue))
+                    return
 
     def _take_batch(self) -> list[EngineJob] | None:
         """The oldest job plus every later compatible job that fits; None means stop."""
@@ -127,6 +142,9 @@ class EngineWorker:
             if live:
                 self.metrics.batch_tokens.observe(sum(job.tokens for job in live))
                 self._run(live)
+            # Their futures hold the outputs, which must go with their responses (an aborted answer frees
+            # its memory at once), not wait here for the next batch.
+            del batch, live
 
     def _run(self, jobs: list[EngineJob]) -> None:
         """Run one batch and resolve its futures; a failed shared batch is retried one job at a time, so

@@ -12,21 +12,17 @@ async def read_body_capped(request: Request, limit: int) -> bytearray:
 
     The declared length is the one the HTTP parser frames the body by: Content-Length, digits only (uvicorn's
     parser answers any other value with a 400, see ``http_protocol``), and none at all when Transfer-Encoding
-    is present (RFC 9112 §6.3: the chunks frame the body and Content-Length is ignored). A declared length
-    under the limit is allocated at once and filled in place (untouched pages cost no memory until the bytes
-    arrive). The body is a writable bytearray, so the wire decoders return views of it instead of copying it
+    is present (RFC 9112 §6.3: the chunks frame the body and Content-Length is ignored). The buffer grows as
+    the bytes arrive, never ahead of them: a connection that declares a large body and sends none costs no
+    memory. The body is a writable bytearray, so the wire decoders return views of it instead of copying it
     again; it belongs to one request and is never reused, so those views stay valid.
     """
     declared = None if "transfer-encoding" in request.headers else request.headers.get("content-length")
     if declared is not None and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray(int(declared or 0))
-    filled = 0
+    body = bytearray()
     async for chunk in request.stream():
-        end = filled + len(chunk)
-        if end > limit:
+        if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        body[filled:end] = chunk  # grows the buffer only past a declared length, i.e. when none was declared
-        filled = end
-    del body[filled:]  # a stream shorter than declared (no parser in front of the app) keeps what came
+        body += chunk
     return body

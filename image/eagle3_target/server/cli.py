@@ -87,15 +87,20 @@ def serve(**flags: Any) -> None:
         refuse(failure_line(exc), EXIT_LOAD_FAILED)
     configure_json_logging(settings.log_level.upper())
     app = create_app(settings)
+    state = app.state.server
     if settings.metrics_port:
         import prometheus_client
 
-        registry = app.state.server.metrics.registry
+        registry = state.metrics.registry
         prometheus_client.start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
     budget = connection_budget(settings.max_connections, raise_fd_limit(), open_fd_count())
     limits = ConnectionLimits(
-        settings.request_header_timeout, settings.request_body_timeout, budget.max_connections
+        settings.request_header_timeout,
+        settings.request_body_timeout,
+        settings.response_send_timeout,
+        budget.max_connections,
     )
+    guard = ConnectionGuard(limits, state.metrics)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -105,12 +110,11 @@ def serve(**flags: Any) -> None:
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
             loop="uvloop",
             # uvicorn builds the protocol per connection by calling what it is given like a class.
-            http=functools.partial(HardenedHttpProtocol, guard=ConnectionGuard(limits)),  # type: ignore[arg-type]
+            http=functools.partial(HardenedHttpProtocol, guard=guard),  # type: ignore[arg-type]
             ws="none",
             backlog=budget.backlog,
         )
     )
-    state = app.state.server
     state.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     if state.loading.failure is not None:

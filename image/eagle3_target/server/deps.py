@@ -1,5 +1,6 @@
-"""What routes ask FastAPI for: the server's state, the loaded target (503 until the model is loaded), and
-for data routes, the count of the request in the server's activity (activity.py)."""
+"""What routes ask FastAPI for: the server's state, the loaded target (503 until the model is loaded), for
+data routes, the count of the request in the server's activity (activity.py), and for routes that answer
+tensors, the hold on memory their answer takes (streaming.AnswerMemory)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import Depends, Request
 
 from eagle3_target.server.activity import client_of
 from eagle3_target.server.state import ServerState
+from eagle3_target.server.streaming import AnswerHold
 from eagle3_target.server.target import LoadedTarget
 
 
@@ -37,3 +39,13 @@ async def counted(request: Request, state: StateDep) -> AsyncIterator[None]:
 
 # For the routes whose requests are data requests (dependencies=[Counted]).
 Counted = Depends(counted)
+
+
+async def answer_memory(state: StateDep) -> AsyncIterator[AnswerHold]:
+    """The bytes this request's answer holds, given back when the request ends: after the answer's last byte
+    is sent, or once its connection is gone."""
+    with state.answers.request() as hold:
+        yield hold
+
+
+AnswerDep = Annotated[AnswerHold, Depends(answer_memory)]

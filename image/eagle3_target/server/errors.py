@@ -61,14 +61,21 @@ class TooManyRequests(ApiError):
 
 
 class ClientClosedRequest(ApiError):
-    """The client closed the connection before its request was read (nginx's 499). Nobody reads the answer;
-    the status is there for the access log and ``eagle3_requests_total``, which would otherwise say 500."""
+    """The client closed the connection before its request was read or its answer computed (nginx's 499).
+    Nobody reads the answer; the status is there for the access log and ``eagle3_requests_total``, which
+    would otherwise say 500."""
 
     status, type = 499, "client_closed_request"
 
 
 class NotReady(ApiError):
     status, type = 503, "not_ready"
+
+
+class AnswerMemoryFull(ApiError):
+    """The answers in flight hold ``--max-response-bytes-in-flight`` already (streaming.AnswerMemory)."""
+
+    status, type = 503, "answer_memory_full"
 
 
 class TooManyConnections(ApiError):

@@ -7,6 +7,10 @@ uvicorn bounds none of this: its keep-alive timer runs only between requests and
   first byte after a response), its body within ``body_timeout`` of its headers; else the connection is
   closed, and a route still reading that body sees a disconnect. Time the server itself holds the bytes back
   (reading paused for a pipelined request or a body the app has not consumed yet) is not the client's.
+  While an answer waits for the client to read (writing paused by flow control), the client must take some
+  of it (acknowledge bytes of the socket's send queue) every ``send_timeout``; else the connection is aborted
+  (its unsent bytes dropped), so the response ends at once and frees the answer, and the request stops
+  counting as in flight.
 - A connection cap. ``max_connections`` connections are served, and ``PROBE_CONNECTIONS`` more that may only
   ask the probe paths, so kubelet and Prometheus are answered when the cap is reached. A connection beyond a
   full pool displaces that pool's longest-idle connection (no request in progress); when none is idle it
@@ -23,9 +27,13 @@ uvicorn bounds none of this: its keep-alive timer runs only between requests and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import resource
+import struct
+import termios
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -37,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from eagle3_target.server.errors import ApiError, BadRequest, TooManyConnections
+from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.routes.probes import PROBE_PATHS
 
 log = logging.getLogger(__name__)
@@ -48,6 +57,8 @@ PROBE_CONNECTIONS = 8
 FD_RESERVE = 128
 # uvicorn's default listen backlog, the most the budget gives it.
 MAX_BACKLOG = 2048
+# Checks of a stalled answer's progress per ``send_timeout``: it is aborted at most a quarter late.
+SEND_CHECKS_PER_TIMEOUT = 4
 
 
 def error_bytes(error: ApiError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -64,6 +75,7 @@ def error_bytes(error: ApiError, default_headers: list[tuple[bytes, bytes]]) -> 
 class ConnectionLimits:
     header_timeout: float
     body_timeout: float
+    send_timeout: float
     max_connections: int
 
 
@@ -73,6 +85,17 @@ class ConnectionBudget:
 
     max_connections: int
     backlog: int
+
+
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """What the client has not taken yet: the transport's buffer and the socket's send queue (Linux's
+    SIOCOUTQ: bytes the client has not acknowledged), so a client that reads slowly counts as reading."""
+    queued = 0
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            (queued,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))
+    return transport.get_write_buffer_size() + queued
 
 
 def raise_fd_limit() -> int:
@@ -146,8 +169,9 @@ class ConnectionPool:
 class ConnectionGuard:
     """One server's limits and its two pools: connections that may ask anything, and probe-only ones."""
 
-    def __init__(self, limits: ConnectionLimits) -> None:
+    def __init__(self, limits: ConnectionLimits, metrics: ServerMetrics) -> None:
         self.limits = limits
+        self.metrics = metrics
         self.serving = ConnectionPool(limits.max_connections)
         self.probes = ConnectionPool(PROBE_CONNECTIONS)
 
@@ -197,6 +221,9 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         self._pool: ConnectionPool | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._in_message = False  # between a message's first byte and its last
+        self._send_check: asyncio.TimerHandle | None = None
+        self._unsent = 0  # `unsent_bytes` when the client last took some
+        self._sent_at = 0.0  # and when that was seen
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -215,6 +242,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_watching_sends()
         if self._pool is not None:
             self._pool.remove(self)
         super().connection_lost(exc)
@@ -251,6 +279,16 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         if self.cycle.response_complete and not self._in_message:  # nothing pipelined or half-received
             self._went_idle()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_check is None:
+            self._unsent, self._sent_at = unsent_bytes(self.transport), self.loop.time()
+            self._check_sends_later()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_watching_sends()
+
     def send_400_response(self, msg: str) -> None:
         self.transport.write(error_bytes(BadRequest(msg), self.server_state.default_headers))
         self.transport.close()
@@ -283,6 +321,33 @@ class HardenedHttpProtocol(HttpToolsProtocol):
             "closing the connection from %s: request %s not received within %g s", self._peer(), what, seconds
         )
         self.transport.close()
+
+    def _check_sends_later(self) -> None:
+        interval = self.guard.limits.send_timeout / SEND_CHECKS_PER_TIMEOUT
+        self._send_check = self.loop.call_later(interval, self._check_sends)
+
+    def _stop_watching_sends(self) -> None:
+        if self._send_check is not None:
+            self._send_check.cancel()
+            self._send_check = None
+
+    def _check_sends(self) -> None:
+        """While writing is paused, nothing new is queued: fewer unsent bytes mean the client took some."""
+        unsent, now = unsent_bytes(self.transport), self.loop.time()
+        if unsent < self._unsent:
+            self._unsent, self._sent_at = unsent, now
+        elif now - self._sent_at >= self.guard.limits.send_timeout:
+            self._send_check = None
+            log.info(
+                "aborting the connection from %s: no byte of its answer taken in %g s (%d bytes unsent)",
+                self._peer(),
+                now - self._sent_at,
+                unsent,
+            )
+            self.guard.metrics.send_timeouts.inc()
+            self.transport.abort()
+            return
+        self._check_sends_later()
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "an unknown peer"

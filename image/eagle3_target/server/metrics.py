@@ -43,6 +43,21 @@ class ServerMetrics:
             "eagle3_response_bytes", "Supervision response body bytes by format.", ["format"], registry=r
         )
         self.inflight = Gauge("eagle3_inflight_requests", "Requests being handled right now.", registry=r)
+        self.answer_bytes_in_flight = Gauge(
+            "eagle3_answer_bytes_in_flight",
+            "Bytes held by answers being computed or sent (capped by --max-response-bytes-in-flight).",
+            registry=r,
+        )
+        self.answer_memory_refusals = Counter(
+            "eagle3_answer_memory_refusals",
+            "Requests refused with 503 because the answers in flight held --max-response-bytes-in-flight.",
+            registry=r,
+        )
+        self.send_timeouts = Counter(
+            "eagle3_send_timeouts",
+            "Connections closed because their client took no byte of an answer for --response-send-timeout.",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "eagle3_queue_depth", "Supervision requests waiting for the engine.", registry=r
         )

@@ -16,6 +16,8 @@ ENV_PREFIX = "EAGLE3_TARGET_"
 _BODY_BYTES_PER_TOKEN = 3 * 8
 _BODY_SLACK_BYTES = 64 * 1024
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**30
+# Room for four of the largest answers at once, when the container has no memory limit.
+DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT = 4 * DEFAULT_MAX_RESPONSE_BYTES
 # cgroup v2, then v1 (which reports "no limit" as a huge number).
 _CGROUP_MEMORY_LIMITS = (
     ("/sys/fs/cgroup/memory.max", 2**62),
@@ -62,12 +64,26 @@ class ServerSettings(BaseSettings):
         description="Largest answer one request may get, in bytes; bigger ones get 413 before any compute "
         "(default: a quarter of the container's memory limit, at most 4 GiB).",
     )
+    max_response_bytes_in_flight: int | None = Field(
+        None,
+        description="Bytes that all answers being computed or sent may hold at once; a request whose answer "
+        "would pass it gets 503 with Retry-After, unless no other answer is held (default: half the "
+        "container's memory limit, at most 16 GiB).",
+    )
     max_vocab_mappings: int = Field(64, description="Draft vocabularies kept; the least recently used goes.")
     request_header_timeout: float = Field(
         10.0, gt=0, description="Seconds a connection has to send a request's headers, else it is closed."
     )
     request_body_timeout: float = Field(
         60.0, gt=0, description="Seconds a request's body has to arrive after its headers, else it is closed."
+    )
+    # Longer than TCP's retransmission back-off through a ~25 s network outage and any pause of a live
+    # client; short enough that a frozen or vanished reader lets go of its answer within half a minute.
+    response_send_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds an answer may go without the client taking any of its bytes; then the "
+        "connection is closed and the answer freed.",
     )
     max_connections: int = Field(
         1024,
@@ -115,6 +131,7 @@ class ServerSettings(BaseSettings):
         "max_vocab_mappings",
         "max_model_len",
         "max_response_bytes",
+        "max_response_bytes_in_flight",
     )
     @classmethod
     def _positive(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -146,6 +163,17 @@ class ServerSettings(BaseSettings):
             return self.max_response_bytes
         memory = container_memory_limit()
         return DEFAULT_MAX_RESPONSE_BYTES if memory is None else min(DEFAULT_MAX_RESPONSE_BYTES, memory // 4)
+
+    @property
+    def in_flight_byte_limit(self) -> int:
+        """``--max-response-bytes-in-flight``, else half the container's memory: two of the largest answers
+        by default, beside the model, the queue and the transport's buffers."""
+        if self.max_response_bytes_in_flight is not None:
+            return self.max_response_bytes_in_flight
+        memory = container_memory_limit()
+        if memory is None:
+            return DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT
+        return min(DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT, memory // 2)
 
 
 def container_memory_limit() -> int | None:

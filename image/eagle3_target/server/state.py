@@ -8,13 +8,14 @@ import threading
 from collections.abc import Callable
 
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import LoadPhase
 from eagle3_target.runners import InvalidInput, ModelRefused
 from eagle3_target.server.activity import ActivityLog
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, Tensors
-from eagle3_target.server.errors import NotReady, TooManyRequests, Unprocessable
+from eagle3_target.server.errors import ClientClosedRequest, NotReady, TooManyRequests, Unprocessable
 from eagle3_target.server.loading import (
     LoadFailed,
     LoadTracker,
@@ -25,6 +26,7 @@ from eagle3_target.server.loading import (
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.staging import HostOutputs
+from eagle3_target.server.streaming import AnswerMemory
 from eagle3_target.server.target import LoadedTarget, load_target
 from eagle3_target.server.vocab_store import LruDict, NemoMappingBindings
 
@@ -43,6 +45,7 @@ class ServerState:
         self.worker = EngineWorker(
             max_queue=settings.max_queue, max_batch_tokens=settings.max_batch_tokens, metrics=self.metrics
         )
+        self.answers = AnswerMemory(settings.in_flight_byte_limit, self.metrics)
         self.mappings: LruDict[VocabMapping] = LruDict(settings.max_vocab_mappings)
         self.nemo_bindings = NemoMappingBindings(self.mappings)
         self.target: LoadedTarget | None = None
@@ -106,20 +109,39 @@ class ServerState:
         self.metrics.ready.set(0)
         self.on_failure()
 
-    async def run_on_engine(self, job: EngineJob) -> Tensors:
+    async def run_on_engine(self, job: EngineJob, request: Request) -> Tensors:
         """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result, on the
         host (a device-to-host copy still in flight is waited for on a pool thread, not the event loop).
 
-        The server validates first, but an engine can be stricter (vLLM's row length): what a runner
-        refuses as ``InvalidInput`` is the client's fault (422). Any other exception is the server's and
-        reaches the app's catch-all handler (500, traceback logged).
+        A client that disconnects while its job waits takes the job out of the queue (499): nobody would
+        read its answer. (``request``'s body must have been read: only then does receiving wait for the
+        disconnect.) The server validates first, but an engine can be stricter (vLLM's row length): what a
+        runner refuses as ``InvalidInput`` is the client's fault (422). Any other exception is the server's
+        and reaches the app's catch-all handler (500, traceback logged).
         """
         try:
             future = self.worker.submit(job)
         except QueueFull as exc:
             raise TooManyRequests(str(exc), headers={"Retry-After": "1"}) from exc
+        computed = asyncio.wrap_future(future)
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            outputs: HostOutputs = await asyncio.wrap_future(future)
+            await asyncio.wait((computed, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            computed.cancel()  # nothing once done; else the worker drops the job unless it has begun it
+        if computed.cancelled():
+            raise ClientClosedRequest(
+                "the client closed the connection while its request waited for the engine"
+            )
+        try:
+            outputs: HostOutputs = computed.result()
         except InvalidInput as exc:
             raise Unprocessable(f"the engine refused the batch: {exc}") from exc
         return await run_in_threadpool(outputs.wait) if outputs.pending else outputs.tensors
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client of ``request`` (whose body has been read) has gone."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

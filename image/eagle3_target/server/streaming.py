@@ -4,15 +4,27 @@ The body is a `wire.Payload`: a few bytes of framing, then views of each tensor.
 chunks of `CHUNK_BYTES`, each awaited through the server's flow control, so the event loop never holds or
 copies a whole body, a slow reader holds back only its own response, and the chunks of responses to several
 clients interleave (a small answer is not stuck behind another client's large one).
+
+Answers are held in memory until their last byte is sent, so two things bound what they hold: a connection
+whose client takes no byte for ``--response-send-timeout`` is closed (http_protocol), which ends its response
+at once, and `AnswerMemory` caps the bytes of all answers in flight.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from eagle3_target.protocol import OCTET_STREAM
+from eagle3_target.server.errors import AnswerMemoryFull
+from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.wire import Payload
+
+# A stalled answer is let go within --response-send-timeout; most answers take far less.
+RETRY_AFTER_SECONDS = 1
 
 # Large enough that a write is one cheap syscall per MiB, small enough that responses interleave finely.
 CHUNK_BYTES = 1 << 20
@@ -37,3 +49,50 @@ class PayloadResponse(Response):
             # has gone, so an abandoned response costs no more than walking its chunk list.
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class AnswerHold:
+    """The bytes one request's answer holds, taken in `AnswerMemory` before its compute."""
+
+    def __init__(self, memory: AnswerMemory) -> None:
+        self._memory = memory
+        self.nbytes = 0
+
+    def take(self, nbytes: int) -> None:
+        """Count ``nbytes`` more for this answer; 503 with Retry-After when they would pass the cap beside
+        the other answers in flight. A lone answer is always admitted (its size is capped per request), so a
+        request the server accepts is served once the others are gone."""
+        memory = self._memory
+        if memory.held and memory.held + nbytes > memory.limit:
+            memory.metrics.answer_memory_refusals.inc()
+            raise AnswerMemoryFull(
+                f"the answers in flight hold {memory.held} bytes; this one's {nbytes} would pass the limit "
+                f"of {memory.limit} (--max-response-bytes-in-flight): retry shortly",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                details={"answer_bytes": nbytes, "held_bytes": memory.held, "limit_bytes": memory.limit},
+            )
+        memory.add(nbytes)
+        self.nbytes += nbytes
+
+
+class AnswerMemory:
+    """The bytes all answers in flight hold, from before their compute until their last byte is sent or
+    their connection is gone, capped at ``limit``. Used from the event loop only, so it needs no lock."""
+
+    def __init__(self, limit: int, metrics: ServerMetrics) -> None:
+        self.limit = limit
+        self.metrics = metrics
+        self.held = 0
+
+    def add(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.metrics.answer_bytes_in_flight.set(self.held)
+
+    @contextmanager
+    def request(self) -> Iterator[AnswerHold]:
+        """One request's hold, given back when the request ends however it ends."""
+        hold = AnswerHold(self)
+        try:
+            yield hold
+        finally:
+            self.add(-hold.nbytes)

@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, run_coalesced
 from eagle3_target.server.metrics import ServerMetrics
 
-
-def double(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"doubled": inputs["input_ids"] * 2, "row_sum": inputs["input_ids"].sum(dim=1)}
+from support.cluster.waiting import eventually
+from support.engine_jobs import Blocker, double
 
 
 def job(rows: int, seq: int, start: int, key: object = "k") -> EngineJob:
     ids = torch.arange(start, start + rows * seq).reshape(rows, seq)
     return EngineJob(batch_key=key, inputs={"input_ids": ids}, compute=double)
-
-
-class Blocker:
-    """A one-token job that holds the engine thread until released, so the jobs submitted meanwhile queue."""
-
-    def __init__(self) -> None:
-        self.running, self.release = threading.Event(), threading.Event()
-        self.job = EngineJob(
-            batch_key="block", inputs={"input_ids": torch.zeros(1, 1, dtype=torch.int64)}, compute=self._hold
-        )
-
-    def _hold(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        self.running.set()
-        self.release.wait(timeout=30)
-        return double(inputs)
 
 
 def test_run_coalesced_splits_rows_back():
@@ -174,3 +160,49 @@ def test_stop_fails_the_waiting_jobs_and_skips_the_cancelled_ones():
     assert cancelled.cancelled()
     with pytest.raises(RuntimeError, match="server shutting down"):
         waiting.result(timeout=5)
+
+
+def test_a_job_cancelled_while_it_waits_leaves_the_queue_and_never_runs():
+    """Its client left: the job frees its place in the queue at once, for a live request, and the engine
+    never computes it."""
+    metrics = ServerMetrics()
+    worker = EngineWorker(max_queue=1, max_batch_tokens=64, metrics=metrics)
+    blocker = Blocker()
+    ran: list[int] = []
+
+    def counting(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ran.append(int(inputs["input_ids"][0, 0]))
+        return double(inputs)
+
+    worker.start()
+    try:
+        worker.submit(blocker.job)
+        assert blocker.running.wait(timeout=30)
+        dropped, live = job(1, 4, 0), job(1, 4, 100)
+        dropped.compute = live.compute = counting
+        assert worker.submit(dropped).cancel()
+        assert metrics.registry.get_sample_value("eagle3_queue_depth") == 0
+        future = worker.submit(live)  # the queue of one has room again
+        blocker.release.set()
+        assert torch.equal(future.result(timeout=30).wait()["doubled"], live.inputs["input_ids"] * 2)
+    finally:
+        blocker.release.set()
+        worker.stop()
+    assert ran == [100]
+    assert metrics.registry.get_sample_value("eagle3_batch_tokens_count") == 2  # the blocker and the live one
+
+
+def test_an_answer_is_freed_as_soon_as_its_request_lets_go_of_it():
+    """Neither the engine thread (waiting for the next batch) nor a reference cycle (left for the garbage
+    collector, which may not run for minutes) keeps an answer's memory once its response is done with it."""
+    worker = EngineWorker(max_queue=4, max_batch_tokens=64, metrics=ServerMetrics())
+    worker.start()
+    gc.disable()
+    try:
+        outputs = worker.submit(job(2, 3, 0)).result(timeout=30).wait()
+        answer = weakref.ref(outputs["doubled"])
+        del outputs
+        eventually(lambda: answer() is None, "the answer to be freed", timeout=10)
+    finally:
+        gc.enable()
+        worker.stop()

@@ -1,5 +1,6 @@
 """Answers streamed from the tensors' memory: the library's bytes, the per-response cap, probes while large
-bodies stream to readers that do not read, and memory that stays flat across many large answers."""
+bodies stream to readers that do not read, memory that stays flat across many large answers, and answers
+nobody reads: aborted after the send timeout with their memory freed, and capped in bytes while they wait."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo as nemo_wire
 from eagle3_target.wire import tensors as tensor_wire
 
-from support.cluster.waiting import LOOPBACK
+from support.cluster.waiting import LOOPBACK, eventually
 from support.server_process import ServerProcess, start_server
 from support.supervision import assert_error, assert_still_serving, draft_mapping, metric_samples, put_mapping
 
@@ -29,6 +31,11 @@ BYTES_PER_TOKEN = WIDE_VOCAB * 4 + 3 * 64 * 4
 MAX_RESPONSE_BYTES = 40_000_000
 FITS = 512  # tokens: a 34 MB answer
 TOO_BIG = 1024  # tokens: 68 MB
+SEND_TIMEOUT = 3.0
+STALLED = 12
+STALLED_TOKENS = 256  # a 17 MB (16.2 MiB) answer
+# Room for the stalled answers and half of another, so one more is refused while they are held.
+IN_FLIGHT_CAP = int((STALLED + 0.5) * STALLED_TOKENS * BYTES_PER_TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +48,8 @@ def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
             "--model", str(model), "--engine", "hf", "--dtype", "float32",
             "--max-model-len", "1024", "--max-batch-tokens", "4096",
             "--max-response-bytes", str(MAX_RESPONSE_BYTES),
+            "--response-send-timeout", str(SEND_TIMEOUT),
+            "--max-response-bytes-in-flight", str(IN_FLIGHT_CAP),
         ],
     )  # fmt: skip
     yield server
@@ -60,6 +69,23 @@ def logits_request(tokens: int) -> bytes:
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+def stalled_reader(url: str, tokens: int) -> socket.socket:
+    """A client that sends a `logits` request for `tokens` tokens and never reads the answer."""
+    sock = socket.create_connection((LOOPBACK, int(url.rsplit(":", 1)[1])))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(logits_request(tokens))
+    return sock
+
+
+def gauge(url: str, name: str) -> float:
+    return metric_samples(url)[(name, ())]
+
+
+def in_flight(url: str) -> int:
+    """The data requests the server counts as in flight (what tells the operator the target is in use)."""
+    return int(httpx.get(url + "/readyz").json()["activity"]["inFlight"])
 
 
 def parts_of(body: bytes) -> tuple[int, dict, bytes]:
@@ -185,3 +211,94 @@ def test_memory_stays_flat_across_twenty_large_answers(wide_server):
             pull()
         grown = wide_server.memory_mib()["VmRSS"] - settled
     assert grown < answer_mib, f"RSS grew {grown:.0f} MiB over 20 answers of {answer_mib:.0f} MiB"
+
+
+def test_answers_nobody_reads_are_aborted_after_the_send_timeout_and_their_memory_freed(wide_server):
+    url = wide_server.url
+    answer_mib = STALLED_TOKENS * BYTES_PER_TOKEN / 2**20
+    body = tensor_wire.encode({"input_ids": ids(STALLED_TOKENS)})
+
+    def pull(_: int) -> int:
+        return httpx.post(url + "/v1/supervision", params={"format": "logits"}, content=body).status_code
+
+    with ThreadPoolExecutor(STALLED) as clients:  # warm-up: the same answers, read (the same batches)
+        for _ in range(2):
+            assert set(clients.map(pull, range(STALLED))) == {200}
+    computed = gauge(url, "eagle3_batch_tokens_sum")
+    aborted = gauge(url, "eagle3_send_timeouts_total")
+    before = wide_server.memory_mib()["VmRSS"]
+    stalled = [stalled_reader(url, STALLED_TOKENS) for _ in range(STALLED)]
+    try:
+        eventually(
+            lambda: gauge(url, "eagle3_batch_tokens_sum") == computed + STALLED * STALLED_TOKENS,
+            "every stalled answer to be computed",
+        )
+        assert in_flight(url) == STALLED
+        peak = [0.0]
+
+        def aborted_all() -> bool:
+            peak[0] = max(peak[0], wide_server.memory_mib()["VmRSS"] - before)
+            return in_flight(url) == 0
+
+        eventually(aborted_all, "the stalled answers to be aborted", timeout=8 * SEND_TIMEOUT)
+        assert gauge(url, "eagle3_send_timeouts_total") == aborted + STALLED
+        assert gauge(url, "eagle3_answer_bytes_in_flight") == 0
+        after = wide_server.memory_mib()["VmRSS"] - before
+    finally:
+        for sock in stalled:
+            sock.close()
+    grown = f"RSS over {before:.0f} MiB: +{peak[0]:.0f} MiB while held, +{after:.0f} MiB after the timeout"
+    assert after < STALLED * answer_mib / 4, grown
+    assert "no byte of its answer taken" in wide_server.log()
+    assert_still_serving(url)
+
+
+def test_a_reader_that_pauses_shorter_than_the_send_timeout_gets_its_whole_answer(wide_server):
+    """Progress, however intermittent, is not a stall: only a client that takes nothing for the timeout is
+    cut off, however long the whole answer takes."""
+    size = STALLED_TOKENS * BYTES_PER_TOKEN
+    received = bytearray()
+    with socket.create_connection((LOOPBACK, int(wide_server.url.rsplit(":", 1)[1])), timeout=30) as sock:
+        sock.sendall(logits_request(STALLED_TOKENS))
+        for step in range(1, 5):  # 9 s of pauses in all: three times the timeout
+            time.sleep(SEND_TIMEOUT * 3 / 4)
+            while len(received) < size * step // 4:
+                chunk = sock.recv(1 << 20)
+                assert chunk, f"closed after {len(received)} bytes"
+                received += chunk
+        while b"\r\n\r\n" not in received or len(received) < size:
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"closed after {len(received)} bytes"
+            received += chunk
+    head, _, payload = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    tensors, _ = tensor_wire.decode(payload)
+    assert tensors["logits"].shape == (1, STALLED_TOKENS, WIDE_VOCAB)
+
+
+def test_answers_beyond_the_bytes_in_flight_get_503_until_the_held_ones_go(wide_server):
+    url = wide_server.url
+    refused = gauge(url, "eagle3_answer_memory_refusals_total")
+    computed = gauge(url, "eagle3_batch_tokens_sum")
+    stalled = [stalled_reader(url, STALLED_TOKENS) for _ in range(STALLED)]
+    try:
+        eventually(
+            lambda: gauge(url, "eagle3_batch_tokens_sum") == computed + STALLED * STALLED_TOKENS,
+            "every stalled answer to be computed",
+        )
+        one_more = tensor_wire.encode({"input_ids": ids(STALLED_TOKENS)})
+        response = httpx.post(url + "/v1/supervision", params={"format": "logits"}, content=one_more)
+        error = assert_error(response, 503, "answer_memory_full")
+        assert "--max-response-bytes-in-flight" in error["message"]
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["limit_bytes"] == IN_FLIGHT_CAP
+        assert gauge(url, "eagle3_answer_memory_refusals_total") == refused + 1
+        assert gauge(url, "eagle3_batch_tokens_sum") == computed + STALLED * STALLED_TOKENS  # not computed
+        small = httpx.post(url + "/v1/supervision", content=tensor_wire.encode({"input_ids": ids(16)}))
+        assert small.status_code == 200  # a small answer still fits beside them
+        eventually(lambda: in_flight(url) == 0, "the stalled answers to be aborted", timeout=8 * SEND_TIMEOUT)
+        response = httpx.post(url + "/v1/supervision", params={"format": "logits"}, content=one_more)
+        assert response.status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()

@@ -20,7 +20,7 @@ from eagle3_target.server.computations import (
     supervision_compute,
     weight_tensor,
 )
-from eagle3_target.server.deps import Counted, StateDep, TargetDep
+from eagle3_target.server.deps import AnswerDep, Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.streaming import PayloadResponse
@@ -51,6 +51,7 @@ async def supervision(
     request: Request,
     state: StateDep,
     target: TargetDep,
+    answer: AnswerDep,
     format: str = "hidden",
     vocab: str | None = None,
     dtype: str | None = None,
@@ -85,12 +86,13 @@ async def supervision(
     tokens = inputs["input_ids"].numel()
     answer_bytes = supervision_answer_bytes(target, format, tokens, mapping, logits_dtype)
     refuse_oversized(answer_bytes, state.settings.response_byte_limit, tokens)
+    answer.take(answer_bytes)
     job = EngineJob(
         batch_key=("supervision", format, logits_dtype, mapping.digest() if mapping else None),
         inputs=inputs,
         compute=supervision_compute(target, format, logits_dtype, mapping),
     )
-    outputs = await state.run_on_engine(job)
+    outputs = await state.run_on_engine(job, request)
     metadata = {
         "format": format,
         "fingerprint": target.info.fingerprint,
@@ -132,10 +134,11 @@ async def put_vocab_mapping(
 
 
 @router.get("/v1/weights/{name}", dependencies=[Counted])
-async def weights(name: str, state: StateDep) -> Response:
+async def weights(name: str, state: StateDep, answer: AnswerDep) -> Response:
     if name not in WEIGHT_NAMES:
         raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")
     target = state.require_target()  # after the name check: an unknown weight is 404 even while loading
     weight = await run_in_threadpool(weight_tensor, target, name)
+    answer.take(weight.nbytes)
     metadata = {"name": name, "fingerprint": target.info.fingerprint}
     return PayloadResponse(await run_in_threadpool(tensor_wire.encode_payload, {"weight": weight}, metadata))

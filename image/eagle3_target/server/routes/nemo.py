@@ -24,13 +24,12 @@ from eagle3_target.server.computations import (
     refuse_oversized,
     weight_tensor,
 )
-from eagle3_target.server.deps import Counted, StateDep, TargetDep
+from eagle3_target.server.deps import AnswerDep, Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
 from eagle3_target.server.streaming import PayloadResponse
 from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.server.vocab_store import UnboundConnection
-from eagle3_target.wire import Payload
 from eagle3_target.wire import nemo as nemo_wire
 
 log = logging.getLogger(__name__)
@@ -89,12 +88,10 @@ async def model_info(target: TargetDep) -> dict[str, object]:
 
 
 @router.post("/input_embeddings", dependencies=[Counted])
-async def input_embeddings(target: TargetDep) -> Response:
-
-    def encode() -> Payload:
-        return nemo_wire.encode_payload({"weight": weight_tensor(target, "input_embeddings")})
-
-    return PayloadResponse(await run_in_threadpool(encode))
+async def input_embeddings(target: TargetDep, answer: AnswerDep) -> Response:
+    weight = await run_in_threadpool(weight_tensor, target, "input_embeddings")
+    answer.take(weight.nbytes)
+    return PayloadResponse(await run_in_threadpool(nemo_wire.encode_payload, {"weight": weight}))
 
 
 @router.post("/set_vocab_mapping")
@@ -127,7 +124,7 @@ async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep
 
 
 @router.post("/generate", dependencies=[Counted])
-async def generate(request: Request, state: StateDep, target: TargetDep) -> Response:
+async def generate(request: Request, state: StateDep, target: TargetDep, answer: AnswerDep) -> Response:
     try:
         mapping_id = state.nemo_bindings.resolve(*own_connection(request))
     except UnboundConnection as exc:
@@ -149,11 +146,13 @@ async def generate(request: Request, state: StateDep, target: TargetDep) -> Resp
 
     inputs = await run_in_threadpool(decode)
     tokens = inputs["input_ids"].numel()
-    refuse_oversized(nemo_answer_bytes(target, tokens, mapping), state.settings.response_byte_limit, tokens)
+    answer_bytes = nemo_answer_bytes(target, tokens, mapping)
+    refuse_oversized(answer_bytes, state.settings.response_byte_limit, tokens)
+    answer.take(answer_bytes)
     job = EngineJob(
         batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
     )
-    outputs = await state.run_on_engine(job)
+    outputs = await state.run_on_engine(job, request)
     payload = await run_in_threadpool(nemo_wire.encode_payload, outputs)
     state.metrics.count_response("nemo", tokens=job.tokens, size=payload.nbytes)
     return PayloadResponse(payload)
