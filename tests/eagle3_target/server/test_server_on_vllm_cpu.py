@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from eagle3_target.client import TargetClient
-from eagle3_target.protocol import EXIT_LOAD_FAILED, FORMATS
+from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS
 from eagle3_target.runners import TargetRunner
 
-from support.cluster.waiting import free_port
+from support.cluster.waiting import eventually, free_port
 from support.nemo_client import (
     assert_generate_matches,
     generate,
@@ -26,7 +27,14 @@ from support.nemo_client import (
     nemo_session,
     set_mapping,
 )
-from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, launch, start_server
+from support.server_process import (
+    MAX_BATCH_TOKENS,
+    MAX_MODEL_LEN,
+    ServerProcess,
+    launch,
+    start_server,
+    status_code,
+)
 from support.supervision import (
     assert_close_at_real_positions,
     assert_same_batch,
@@ -142,3 +150,22 @@ def test_a_refusal_ends_the_vllm_server(server_model_dir, tmp_path, args, messag
         server.stop()
     assert code == EXIT_LOAD_FAILED, server.log()[-3000:]
     assert termination_log.read_text().startswith(message), termination_log.read_text()
+
+
+def test_a_server_whose_engine_core_died_turns_unready_and_exits_to_be_restarted(server_model_dir, tmp_path):
+    """vLLM never restarts an engine core that exited (a worker died, a batch raised in it): a server that
+    answered 500 forever while Kubernetes saw it ready would strand every trainer on it."""
+    termination_log = tmp_path / "termination-log"
+    termination_log.touch()
+    args = ["--model", str(server_model_dir), "--engine", "vllm", "--termination-log", str(termination_log)]
+    server = start_server(tmp_path, [*args, *ENGINE_ARGS], ready_timeout=VLLM_START_SECONDS)
+    try:
+        for child in psutil.Process(server.process.pid).children():
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                child.kill()  # the engine core process
+        unready = eventually(lambda: status_code(server.url + "/readyz") == 503, "/readyz to say 503")
+        code = server.process.wait(timeout=VLLM_START_SECONDS)
+    finally:
+        server.stop()
+    assert unready and code == EXIT_ENGINE_FAILED, server.log()[-3000:]
+    assert termination_log.read_text().startswith("the engine failed: vLLM's engine core has exited")
