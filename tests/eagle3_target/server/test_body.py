@@ -1,16 +1,28 @@
-"""Reading request bodies: the byte cap, and a buffer the wire decoders can view without copying."""
+"""Reading request bodies: the byte cap, a buffer the wire decoders can view without copying, and no memory
+spent on a declared body before its bytes arrive."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from eagle3_target.server.body import read_body_capped
 from eagle3_target.server.errors import PayloadTooLarge
+from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 from starlette.requests import Request
 from starlette.types import Message
+
+from support.cluster.waiting import LOOPBACK, eventually
+from support.server_process import ServerProcess, start_server
+from support.supervision import metric_samples
+
+SILENT = 50
+ROOMY_BATCH_TOKENS = 262144  # a 6.3 MiB body limit
 
 
 def request_streaming(
@@ -59,7 +71,7 @@ def test_transfer_encoding_frames_the_body_not_content_length():
         asyncio.run(read_body_capped(oversized, limit=100))
 
 
-def test_a_declared_length_is_filled_in_place_and_the_stream_decides_the_size():
+def test_the_stream_decides_the_size_not_the_declared_length():
     payload = bytes(range(200))
     exact = asyncio.run(read_body_capped(request_streaming([payload[:7], payload[7:]], 200), limit=1000))
     assert isinstance(exact, bytearray) and exact == payload
@@ -67,3 +79,40 @@ def test_a_declared_length_is_filled_in_place_and_the_stream_decides_the_size():
     longer = asyncio.run(read_body_capped(request_streaming([payload[:150], payload[150:]], 100), limit=1000))
     shorter = asyncio.run(read_body_capped(request_streaming([payload[:50]], 100), limit=1000))
     assert (longer, shorter) == (payload, payload[:50])
+
+
+@pytest.fixture(scope="module")
+def roomy_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(
+        tmp_path_factory.mktemp("roomy"),
+        [
+            "--model", str(server_model_dir), "--engine", "hf", "--dtype", "float32",
+            "--max-batch-tokens", str(ROOMY_BATCH_TOKENS),
+        ],
+    )  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def test_connections_that_declare_large_bodies_and_send_none_cost_no_memory(roomy_server):
+    url = roomy_server.url
+    limit = ServerSettings(model="unused", max_batch_tokens=ROOMY_BATCH_TOKENS).token_body_limit
+    head = f"POST /v1/supervision HTTP/1.1\r\nHost: x\r\nContent-Length: {limit}\r\n\r\n".encode()
+    before = roomy_server.memory_mib()["VmRSS"]
+    silent = [socket.create_connection((LOOPBACK, int(url.rsplit(":", 1)[1]))) for _ in range(SILENT)]
+    try:
+        for sock in silent:
+            sock.sendall(head)
+        # Each is in its route, waiting for the body (the scrape that asks is in flight too).
+        eventually(
+            lambda: metric_samples(url)[("eagle3_inflight_requests", ())] == SILENT + 1,
+            "every request to wait for its body",
+        )
+        grown = roomy_server.memory_mib()["VmRSS"] - before
+    finally:
+        for sock in silent:
+            sock.close()
+    declared_mib = SILENT * limit / 2**20
+    assert grown < declared_mib / 16, (
+        f"RSS grew {grown:.0f} MiB for {declared_mib:.0f} MiB declared, none sent"
+    )
