@@ -42,12 +42,18 @@ def test_settings_validate():
 
 def test_connection_limits_validate():
     settings = ServerSettings(model="m")
-    assert (settings.request_header_timeout, settings.request_body_timeout, settings.max_connections) == (
-        10.0,
-        60.0,
-        1024,
+    timeouts = (
+        settings.request_header_timeout,
+        settings.request_body_timeout,
+        settings.response_send_timeout,
     )
-    for field, value in [("request_header_timeout", 0), ("request_body_timeout", -1), ("max_connections", 0)]:
+    assert (*timeouts, settings.max_connections) == (10.0, 60.0, 30.0, 1024)
+    for field, value in [
+        ("request_header_timeout", 0),
+        ("request_body_timeout", -1),
+        ("response_send_timeout", 0),
+        ("max_connections", 0),
+    ]:
         with pytest.raises(ValueError, match=field):
             ServerSettings(model="m", **{field: value})
 
@@ -62,3 +68,16 @@ def test_the_response_cap_fits_the_containers_memory(monkeypatch, tmp_path):
     assert ServerSettings(model="m", max_response_bytes=1000).response_byte_limit == 1000
     with pytest.raises(ValidationError, match="max_response_bytes must be at least 1"):
         ServerSettings(model="m", max_response_bytes=0)
+
+
+def test_the_cap_on_answers_in_flight_fits_the_containers_memory(monkeypatch, tmp_path):
+    limit_file = tmp_path / "memory.max"
+    monkeypatch.setattr(settings_module, "_CGROUP_MEMORY_LIMITS", ((str(limit_file), 2**62),))
+    limit_file.write_text("max\n")  # no limit: four of the largest answers
+    assert ServerSettings(model="m").in_flight_byte_limit == 4 * settings_module.DEFAULT_MAX_RESPONSE_BYTES
+    limit_file.write_text(f"{8 * 2**30}\n")  # an 8 GiB pod: half of it, two of its largest answers
+    settings = ServerSettings(model="m")
+    assert settings.in_flight_byte_limit == 4 * 2**30 == 2 * settings.response_byte_limit
+    assert ServerSettings(model="m", max_response_bytes_in_flight=1000).in_flight_byte_limit == 1000
+    with pytest.raises(ValidationError, match="max_response_bytes_in_flight must be at least 1"):
+        ServerSettings(model="m", max_response_bytes_in_flight=0)

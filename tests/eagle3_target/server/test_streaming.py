@@ -17,6 +17,9 @@ import safetensors.torch
 import torch
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS, WEIGHT_NAMES
+from eagle3_target.server.errors import AnswerMemoryFull
+from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.streaming import AnswerMemory
 from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo as nemo_wire
 from eagle3_target.wire import tensors as tensor_wire
@@ -302,3 +305,25 @@ def test_answers_beyond_the_bytes_in_flight_get_503_until_the_held_ones_go(wide_
     finally:
         for sock in stalled:
             sock.close()
+
+
+def test_a_lone_answer_always_fits_and_every_hold_is_given_back():
+    """An answer the per-request cap accepts is never refused for good: alone, it goes over the cap."""
+    memory = AnswerMemory(100, ServerMetrics())
+    with memory.request() as big:
+        big.take(150)
+        with pytest.raises(AnswerMemoryFull), memory.request() as other:
+            other.take(1)
+        assert memory.held == 150
+    with pytest.raises(RuntimeError), memory.request() as failing:  # a request that fails gives back too
+        failing.take(60)
+        raise RuntimeError("the engine failed")
+    with memory.request() as first, memory.request() as second:
+        first.take(60)
+        second.take(40)
+        assert (
+            memory.held == 100
+            and memory.metrics.registry.get_sample_value("eagle3_answer_bytes_in_flight") == 100
+        )
+    assert memory.held == 0
+    assert memory.metrics.registry.get_sample_value("eagle3_answer_memory_refusals_total") == 1
