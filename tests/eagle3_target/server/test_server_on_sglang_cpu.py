@@ -1,6 +1,7 @@
 """`eagle3-target serve --engine sglang` on real SGLang 0.5.23 (run by `make test` with .venv-sglang's
 python, whose `eagle3-target` this launches): every format and the trainer's batch through `TargetClient`
-equal the HF engine's within 1e-4 in fp32; an engine argument SGLang lacks ends the server at once.
+equal the HF engine's within 1e-4 in fp32; an engine argument SGLang lacks ends the server at once; a
+tensor-parallel rank that died turns the server unready and ends it.
 
 One SGLang server serves the module; the HF side is the session's shared HF server on the same checkpoint.
 """
@@ -11,12 +12,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from eagle3_target.client import TargetClient
-from eagle3_target.protocol import EXIT_LOAD_FAILED, FORMATS
+from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS
+from eagle3_target.tiny import write_tiny_model
 
-from support.cluster.waiting import free_port
-from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, ServerProcess, launch, start_server
+from support.cluster.waiting import eventually, free_port
+from support.server_process import (
+    MAX_BATCH_TOKENS,
+    MAX_MODEL_LEN,
+    ServerProcess,
+    launch,
+    start_server,
+    status_code,
+)
 from support.supervision import (
     assert_close_at_real_positions,
     assert_same_batch,
@@ -100,3 +110,36 @@ def test_an_unknown_engine_argument_ends_the_server_before_loading(server_model_
         server.stop()
     assert code == EXIT_LOAD_FAILED, server.log()[-3000:]
     assert "did you mean mem_fraction_static?" in termination_log.read_text(), termination_log.read_text()
+
+
+def test_a_tensor_parallel_server_whose_rank_died_turns_unready_and_exits_to_be_restarted(tmp_path):
+    """A rank process that died (killed here, as the OOM killer or a driver fault would) leaves the ranks
+    unable to run a forward; the server says so on /readyz, writes why and exits so the pod is restarted."""
+    model = write_tiny_model(tmp_path / "model", arch="llama", num_kv_heads=2)  # a KV head per rank
+    termination_log = tmp_path / "termination-log"
+    termination_log.touch()
+    args = [
+        "--model", str(model),
+        "--engine", "sglang",
+        "--dtype", "float32",
+        "--tensor-parallel-size", "2",
+        "--max-batch-tokens", "1024",
+        "--max-model-len", "128",
+        "--termination-log", str(termination_log),
+    ]  # fmt: skip
+    server = start_server(tmp_path, args, ready_timeout=SGLANG_START_SECONDS)
+    try:
+        ranks = [
+            child
+            for child in psutil.Process(server.process.pid).children()
+            if "resource_tracker" not in " ".join(child.cmdline())
+        ]
+        assert len(ranks) == 2
+        ranks[1].kill()
+        unready = eventually(lambda: status_code(server.url + "/readyz") == 503, "/readyz to say 503")
+        code = server.process.wait(timeout=SGLANG_START_SECONDS)
+    finally:
+        server.stop()
+    assert unready and code == EXIT_ENGINE_FAILED, server.log()[-3000:]
+    said = termination_log.read_text()
+    assert said.startswith("the engine failed: SGLang tensor-parallel rank") and "exited" in said, said
