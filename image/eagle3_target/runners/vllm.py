@@ -321,10 +321,12 @@ class VLLMRunner:
 
     @property
     def kv_cache_tokens(self) -> int:
-        """Tokens vLLM's KV cache holds at once, as its engine core allocated it (its blocks, in the config
-        the engine core hands back at start)."""
+        """Tokens vLLM's KV cache holds at once, as its engine core allocated it and handed back at start:
+        vLLM's own count across its KV cache groups (`kv_cache_size_tokens`, what it logs as "KV cache
+        size"), else its blocks times their size."""
         cache = self._llm.llm_engine.vllm_config.cache_config
-        return int(cache.num_gpu_blocks) * int(cache.block_size)
+        counted = getattr(cache, "kv_cache_size_tokens", None)
+        return int(counted) if counted else int(cache.num_gpu_blocks) * int(cache.block_size)
 
     @property
     def failure(self) -> str | None:

@@ -93,7 +93,8 @@ def test_engine_arguments_reach_vllm_and_the_cpu_kv_cache_is_sized(engines, tiny
     assert vllm_config.cache_config.kv_cache_memory_bytes == expected
     # The cache vLLM allocated holds a whole batch (the runner refuses to load otherwise).
     cache = vllm_config.cache_config
-    assert runner.kv_cache_tokens == cache.num_gpu_blocks * cache.block_size >= MAX_BATCH_TOKENS
+    assert runner.kv_cache_tokens == cache.kv_cache_size_tokens >= MAX_BATCH_TOKENS
+    assert runner.kv_cache_tokens <= cache.num_gpu_blocks * cache.block_size
     # The longest row it takes is captured at every position; one more token is refused before vLLM.
     longest = torch.randint(0, 256, (1, MAX_MODEL_LEN - 1))
     final, aux = runner.forward_hidden(longest)
