@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -22,13 +23,24 @@ from support.sglang_rank_faults import sitecustomize as faults
 GOOD = [[1, 2, 3], [4, 5]]
 
 
+class Started(NamedTuple):
+    ranks: RankProcesses
+    processes: list[psutil.Process]  # the rank processes, rank 0 first
+
+
 @pytest.fixture
-def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[RankProcesses]:
+def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     """Two ranks whose model runner is the stand-in (every spawned process imports its sitecustomize)."""
     monkeypatch.setenv("PYTHONPATH", str(Path(faults.__file__).parent))
-    started = RankProcesses.start(SimpleNamespace(tp_size=2, nccl_port=free_port(), device="cpu"))
-    yield started
-    started.close()
+    before = set(live_children())
+    ranks = RankProcesses.start(SimpleNamespace(tp_size=2, nccl_port=free_port(), device="cpu"))
+    yield Started(ranks, sorted(set(live_children()) - before, key=lambda p: p.create_time()))
+    ranks.close()
+
+
+@pytest.fixture
+def ranks(started: Started) -> RankProcesses:
+    return started.ranks
 
 
 def assert_serves(ranks: RankProcesses) -> None:
@@ -49,11 +61,11 @@ def test_a_batch_every_rank_refuses_fails_alone_and_the_ranks_run_the_next(ranks
         assert_serves(ranks)
 
 
-def test_a_lost_device_ends_every_rank_and_says_why(ranks):
+def test_a_lost_device_ends_every_rank_and_says_why(started, ranks):
     with pytest.raises(RanksEnded, match="AcceleratorError: CUDA error: an illegal memory access"):
         ranks.extend([[faults.DEVICE_LOST]], False)
     assert "illegal memory access" in (ranks.failure or "")
-    assert not rank_processes()
+    assert not [p for p in started.processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     with pytest.raises(RanksEnded, match=r"ranks have ended: .*illegal memory access"):
         ranks.extend(GOOD, False)
 
@@ -67,9 +79,10 @@ def test_a_rank_that_fails_alone_leaves_the_ranks_out_of_step_and_ends_them(rank
         ranks.extend(GOOD, False)
 
 
-def test_a_rank_that_died_between_batches_is_the_failure_before_the_next_batch(ranks):
+def test_a_rank_that_died_between_batches_is_the_failure_before_the_next_batch(started, ranks):
     assert_serves(ranks)
-    rank_processes()[1].kill()
+    assert len(started.processes) == 2
+    started.processes[1].kill()
     assert (
         eventually(lambda: ranks.failure, "the dead rank seen") == "SGLang tensor-parallel rank 1 has exited"
     )
@@ -78,11 +91,10 @@ def test_a_rank_that_died_between_batches_is_the_failure_before_the_next_batch(r
     assert "rank 1 failed (extend)" in (ranks.failure or "")
 
 
-def rank_processes() -> list[psutil.Process]:
-    """The live rank processes, rank 0 first (started in order), but multiprocessing's resource tracker."""
-    children = [
+def live_children() -> list[psutil.Process]:
+    """This process's live children but multiprocessing's resource tracker (one per interpreter)."""
+    return [
         p
         for p in psutil.Process().children()
         if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
     ]
-    return sorted(children, key=lambda p: p.create_time())
