@@ -106,8 +106,8 @@ class KVPool(NamedTuple):
     page: int
 
     def refusal(self, lengths: list[int]) -> str | None:
-        """Why a batch of rows of `lengths` does not fit (SGLang would fail it: "Prefill out of memory"),
-        or None when it does."""
+        """Why a batch of rows of `lengths` does not fit (SGLang's allocation would fail it, and not with
+        its own message: the runner has no prefix cache to evict from), or None when it does."""
         slots = sum(-(-n // self.page) * self.page for n in lengths)
         if len(lengths) > self.rows:
             return f"the batch has {len(lengths)} rows; the engine's request pool holds {self.rows}"
