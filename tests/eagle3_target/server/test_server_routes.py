@@ -30,8 +30,9 @@ def test_probes_and_info(server, server_model_dir, reference_runner):
     ready = httpx.get(server.url + "/readyz").json()
     assert ready["status"] == "ready" and set(ready["activity"]) == {
         "requests",
-        "lastRequestAt",
+        "idleSeconds",
         "inFlight",
+        "activeClients",
         "clients",
     }
     info = httpx.get(server.url + "/v1/info").json()
