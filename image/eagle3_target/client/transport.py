@@ -11,6 +11,7 @@ kernel into the caller's buffer, so a body costs the one copy the kernel makes. 
 from __future__ import annotations
 
 import http.client
+import queue
 import threading
 import urllib.parse
 import weakref
@@ -44,13 +45,18 @@ class BodyBuffers:
     A fresh buffer costs a page fault per page on its first fill, which here makes reading a large body
     several times slower than filling a warm buffer. A body is handed out as a numpy view of a pooled array;
     the tensors decoded from it keep that view alive, and when the last of them is gone the array returns
-    to the pool (at most `keep` idle arrays stay, the rest are freed).
+    to the pool (at most `keep` idle arrays stay, the rest are freed at the next `take`).
+
+    The last view may die in the cyclic GC, which runs wherever Python allocates, `take` included, on the
+    thread that holds the pool's lock: so an array comes back through a queue that is safe to put into from
+    there (`SimpleQueue.put` takes no lock a thread could already hold), and `take` files what came back.
     """
 
     def __init__(self, keep: int = 2, min_bytes: int = 1 << 20) -> None:
         self.keep = keep
         self.min_bytes = min_bytes
         self._idle: list[np.ndarray] = []
+        self._returned: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         self._lock = threading.Lock()
 
     def take(self, size: int) -> memoryview:
@@ -58,6 +64,7 @@ class BodyBuffers:
         if size < self.min_bytes:
             return memoryview(bytearray(size))
         with self._lock:
+            self._file_returned()
             # By position, never `list.remove`: arrays compare element-wise, not by identity.
             fits = [i for i, idle in enumerate(self._idle) if size <= idle.size <= 2 * size]
             array = self._idle.pop(min(fits, key=lambda i: self._idle[i].size)) if fits else None
@@ -65,14 +72,18 @@ class BodyBuffers:
             # numpy asks for transparent huge pages for large arrays: a fresh one faults per 2 MiB.
             array = np.empty(size, dtype=np.uint8)
         view = array[:size]
-        weakref.finalize(view, self._give_back, array)
+        weakref.finalize(view, self._returned.put, array)
         return view.data
 
-    def _give_back(self, array: np.ndarray) -> None:
-        with self._lock:
-            self._idle.append(array)
-            if len(self._idle) > self.keep:
-                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].size))
+    def _file_returned(self) -> None:
+        """Move the arrays given back since the last `take` to the idle ones, keeping the `keep` largest."""
+        while True:
+            try:
+                self._idle.append(self._returned.get_nowait())
+            except queue.Empty:
+                break
+        self._idle.sort(key=lambda idle: idle.size, reverse=True)
+        del self._idle[self.keep :]
 
 
 def read_body(response: http.client.HTTPResponse, buffers: BodyBuffers) -> memoryview:
@@ -117,8 +128,10 @@ class Transport:
     ) -> Reply:
         """Send one request and read its whole answer; `TransportError` when no complete answer came.
 
-        A keep-alive connection the server has closed meanwhile fails before anything is answered: then
-        the request goes once more on a fresh connection, as any HTTP client does.
+        A keep-alive connection the server closed while it sat idle fails before any answer byte, with a
+        reset, a broken pipe or an end of stream: then the request goes once more on a fresh connection, as
+        any HTTP client does. Anything else (a timeout above all: the server may be computing the answer) is
+        a `TransportError` at once, never the same request sent a second time behind the caller's back.
         """
         parts = urllib.parse.urlsplit(url)
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -127,17 +140,18 @@ class Transport:
         headers = self.headers | ({"content-type": "application/octet-stream"} if content is not None else {})
         connection = self._take(key)
         while True:
-            fresh = connection is None
+            reused = connection is not None
             connection = connection or self._open(key)
             try:
                 connection.request(method, target, body=content, headers=headers)
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()
-                if fresh:
-                    raise TransportError(f"{type(exc).__name__}: {exc}") from exc
-                connection = None  # a stale keep-alive connection: once more on a fresh one
-                continue
+                # RemoteDisconnected (no status line at all) is a ConnectionResetError.
+                if reused and isinstance(exc, ConnectionError):
+                    connection = None  # a stale keep-alive connection: once more on a fresh one
+                    continue
+                raise TransportError(f"{type(exc).__name__}: {exc}") from exc
             try:
                 body = read_body(response, self.buffers)
             except (OSError, http.client.HTTPException, TransportError) as exc:
