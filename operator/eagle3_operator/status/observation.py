@@ -33,6 +33,7 @@ FAILURE_PRIORITY = (
     "CreateContainerError",
     "ModelDownloadFailed",
     "ModelLoadFailed",
+    "EngineFailed",
     "OOMKilled",
     "CrashLoopBackOff",
     "ReplicaFailure",

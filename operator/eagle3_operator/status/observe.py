@@ -9,7 +9,12 @@ the reconciler fetches the objects and passes them in.
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from eagle3_target.protocol import SERVER_FAILURE_EXIT_CODES, HydrationProgress
+from eagle3_target.protocol import (
+    EXIT_ENGINE_FAILED,
+    EXIT_INVALID_SETTINGS,
+    EXIT_LOAD_FAILED,
+    HydrationProgress,
+)
 
 from eagle3_operator.constants import (
     DOWNLOAD_CONTAINER,
@@ -38,10 +43,15 @@ WAITING_FAILURES = {
     "CreateContainerConfigError": "CreateContainerConfigError",
     "CreateContainerError": "CreateContainerError",
 }
-# Containers whose non-zero exit explains why a pod does not serve, with the reason the status reports.
-# The server exits with EXIT_INVALID_SETTINGS or EXIT_LOAD_FAILED (and one line saying why) when it cannot
-# load the model; the download's message is its log's tail (terminationMessagePolicy in render/hydration.py).
-EXIT_FAILURES = {DOWNLOAD_CONTAINER: "ModelDownloadFailed", SERVER_CONTAINER: "ModelLoadFailed"}
+# Exits that explain why a pod does not serve, with the reason the status reports: the server's codes for
+# giving up (each with one line saying why: it could not load the model, or its loaded engine died), and
+# any failed download (its message is its log's tail: terminationMessagePolicy in render/hydration.py).
+SERVER_EXIT_REASONS = {
+    EXIT_INVALID_SETTINGS: "ModelLoadFailed",
+    EXIT_LOAD_FAILED: "ModelLoadFailed",
+    EXIT_ENGINE_FAILED: "EngineFailed",
+}
+DOWNLOAD_FAILED = "ModelDownloadFailed"
 # Server pods in these phases are finished (evicted, refused by the kubelet's admission, shut down with
 # their node, or exited): the ReplicaSet has replaced them, so they are neither endpoints nor replicas.
 FINISHED_POD_PHASES = frozenset({"Failed", "Succeeded"})
@@ -167,8 +177,10 @@ def _exit_failure(container: Mapping[str, Any]) -> Failure | None:
         return Failure(
             "OOMKilled", f"{exited}: killed at its memory limit; raise spec.resources.limits.memory"
         )
-    reason = EXIT_FAILURES.get(name)
-    if reason is None or (name == SERVER_CONTAINER and code not in SERVER_FAILURE_EXIT_CODES):
+    reason = SERVER_EXIT_REASONS.get(code) if name == SERVER_CONTAINER else None
+    if name == DOWNLOAD_CONTAINER:
+        reason = DOWNLOAD_FAILED
+    if reason is None:
         return None
     return Failure(reason, f"{said} ({exited})" if said else exited)
 

@@ -8,7 +8,7 @@ from eagle3_operator.status.conditions import transitions
 from eagle3_operator.status.document import compute_status
 from eagle3_operator.status.observation import Failure, JobView, PodView
 from eagle3_operator.status.observe import deployment_view, describe_progress, hydration_state, pod_view
-from eagle3_target.protocol import HydrationProgress
+from eagle3_target.protocol import EXIT_ENGINE_FAILED, HydrationProgress
 
 from support.observations import T0, make_pod, observe
 from support.targets import condition
@@ -114,6 +114,18 @@ def test_pod_view_reads_a_server_that_gave_up_loading_from_its_first_exit_on():
     view = pod_view(server_status(state={"terminated": usage}))
     assert view.failure.reason == "ModelLoadFailed"
     assert view.failure.message.startswith("Usage: eagle3-target serve Error: No such option (")
+
+
+def test_pod_view_tells_a_server_whose_engine_died_from_one_that_could_not_load():
+    """Exit 4: the engine it had loaded died (a rank or engine-core process gone, the device lost)."""
+    line = "the engine failed: SGLang tensor-parallel rank 1 died (exit code -9)"
+    terminated = {"exitCode": EXIT_ENGINE_FAILED, "reason": "Error", "message": line}
+    view = pod_view(
+        server_status(state={"running": {}}, lastState={"terminated": terminated}, restartCount=1)
+    )
+    assert view.failure == Failure(
+        "EngineFailed", f"{line} (container server exited with code 4, 1 restarts)"
+    )
 
 
 def test_pod_view_tells_oom_kills_and_failed_downloads_from_other_crashes():
