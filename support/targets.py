@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import kubernetes
-from eagle3_target.protocol import API_VERSION, GROUP, PLURAL, VERSION
+from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, API_VERSION, GROUP, PLURAL, VERSION
 
 from support.cluster import nodes
 from support.cluster.access import Cluster
@@ -211,3 +211,9 @@ def target_status(
         ],
         "model": MODEL_STATUS,
     }
+
+
+def wake_annotation(objects: kubernetes.client.CustomObjectsApi, namespace: str, name: str) -> str | None:
+    """The target's wake annotation (resolve() writes it to wake an idle target)."""
+    body = cast(dict[str, Any], objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+    return (body["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)

@@ -10,10 +10,11 @@ the previous model right after someone edited the resource.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -127,6 +128,9 @@ def readiness(obj: dict[str, Any], require: Requirement = "Available") -> tuple[
             f"{kind} condition is stale: its observedGeneration={ready.get('observedGeneration')} but "
             f"metadata.generation={generation} (last {state})"
         )
+    if idle(obj):
+        # Set before the scale-down starts: the endpoints still listed are going away.
+        return False, f"idle since {status['idle'].get('since')} ({state})"
     if ready.get("status") != "True":
         return False, state
     if not (ready_endpoints(status) or status.get("url")):
@@ -135,20 +139,39 @@ def readiness(obj: dict[str, Any], require: Requirement = "Available") -> tuple[
 
 
 def idle(obj: dict[str, Any]) -> bool:
-    """Whether the operator has scaled the target to zero for idleness (it then waits for a wake)."""
+    """Whether the operator has scaled the target to zero for idleness, or is doing so (it then waits for a
+    wake)."""
     return bool((obj.get("status") or {}).get("idle"))
 
 
+def wake_requested(obj: dict[str, Any]) -> bool:
+    """Whether someone asked an idle target to wake: its wake annotation differs from the value status.idle
+    recorded when it went idle."""
+    recorded = obj["status"]["idle"].get("wakeRequestedAt")
+    return (obj["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED) != recorded
+
+
 def request_wake(api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any]) -> None:
-    """Ask the operator to wake an idle target: a new value of its wake annotation (the time, to the
-    microsecond; any value other than the one recorded when it went idle wakes it)."""
+    """Ask the operator to wake an idle target, once per wake whoever asks: a new value of its wake
+    annotation (the time, to the microsecond), written only while the annotation still has the value
+    status.idle recorded, and only onto the version read (a conflict means someone else wrote meanwhile: the
+    next read shows whether the wake is asked for)."""
+    if wake_requested(obj):
+        return
     meta = obj["metadata"]
-    patch = {"metadata": {"annotations": {ANNOTATION_WAKE_REQUESTED: datetime.now(UTC).isoformat()}}}
+    patch = {
+        "metadata": {
+            "resourceVersion": meta["resourceVersion"],
+            "annotations": {ANNOTATION_WAKE_REQUESTED: datetime.now(UTC).isoformat()},
+        }
+    }
     try:
         api.patch_namespaced_custom_object(
             resource.group, resource.version, meta["namespace"], resource.plural, meta["name"], patch
         )
     except ApiException as exc:
+        if exc.status == 409:
+            return
         if exc.status in (401, 403):
             raise TargetAccessForbidden(
                 f"{resource.plural}/{meta['name']} in namespace {meta['namespace']!r} is idle and waking it "
@@ -201,41 +224,32 @@ def resolve(
     namespace = namespace or default_namespace
     api = k8s.CustomObjectsApi(api_client)
     deadline = time.monotonic() + max(wait, 0.0)
-    watch_allowed = True
     woken = False
-    while True:
-        obj = _get(api, resource, name, namespace)
-        ready, why = readiness(obj, require)
-        if ready:
-            return resolved_from(obj)
-        if wake and not woken and idle(obj):
-            request_wake(api, resource, obj)
-            woken = True
-        if woken:
-            why = f"{why}; woken from idle, waiting for scheduling and a model load"
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ResolveTimeout(
-                f"{resource.plural}/{name} in {namespace} not {require} after {wait:g}s: {why}"
-            )
-        if watch_allowed:
-            found, watch_allowed = _watch_until_ready(api, resource, obj, remaining, require)
-            if found is not None:
-                return found
-        else:
-            time.sleep(min(POLL_INTERVAL_S, remaining))
+    why = "not read yet"
+    with contextlib.closing(_snapshots(api, resource, name, namespace, deadline)) as snapshots:
+        for obj in snapshots:
+            ready, why = readiness(obj, require)
+            if ready:
+                return resolved_from(obj)
+            if wake and idle(obj):  # on every snapshot: a target may idle while it is awaited
+                request_wake(api, resource, obj)
+                woken = True
+            if woken:
+                why = f"{why}; woken from idle, waiting for scheduling and a model load"
+    raise ResolveTimeout(f"{resource.plural}/{name} in {namespace} not {require} after {wait:g}s: {why}")
 
 
 def follow_resource(
     name: str, namespace: str | None, wait: float, kubeconfig: str | None
-) -> tuple[ResolvedTarget, Callable[[], ResolvedTarget]]:
-    """Resolve the target now, and a function that re-reads it (no waiting) to pick up endpoint changes."""
+) -> tuple[ResolvedTarget, Callable[[float], ResolvedTarget]]:
+    """Resolve the target now, and a function that resolves it again, waiting up to the seconds it is given
+    (0: read it once) to pick up endpoint changes or a target that serves again."""
     api_client, default_namespace = api_client_from_environment(kubeconfig)
     namespace = namespace or default_namespace
     resolved = resolve(name, namespace, wait, api_client=api_client)
 
-    def refresh() -> ResolvedTarget:
-        return resolve(name, namespace, wait=0, api_client=api_client)
+    def refresh(wait: float) -> ResolvedTarget:
+        return resolve(name, namespace, wait, api_client=api_client)
 
     return resolved, refresh
 
@@ -297,14 +311,29 @@ def _api_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-def _watch_until_ready(
-    api: k8s.CustomObjectsApi,
-    resource: TargetResource,
-    obj: dict[str, Any],
-    remaining: float,
-    require: Requirement,
-) -> tuple[ResolvedTarget | None, bool]:
-    """Watch one object from the snapshot's resourceVersion: (target once usable, whether watching works)."""
+def _snapshots(
+    api: k8s.CustomObjectsApi, resource: TargetResource, name: str, namespace: str, deadline: float
+) -> Generator[dict[str, Any], None, None]:
+    """The object as it changes until `deadline`: read once, then watched from that version (read again
+    when a watch ends or its version expired), or read every POLL_INTERVAL_S where watching fails."""
+    watch_allowed = True
+    while True:
+        obj = _get(api, resource, name, namespace)
+        yield obj
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if watch_allowed:
+            watch_allowed = yield from _watch(api, resource, obj, remaining)
+        else:
+            time.sleep(min(POLL_INTERVAL_S, remaining))
+
+
+def _watch(
+    api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any], remaining: float
+) -> Generator[dict[str, Any], None, bool]:
+    """The object's versions after the snapshot's, for up to `remaining` seconds; returns whether watching
+    works (forbidden, as with a role granting get but not watch, or a broken stream: poll instead)."""
     meta = obj["metadata"]
     watcher = k8s_watch.Watch()
     try:
@@ -321,20 +350,18 @@ def _watch_until_ready(
         ):
             kind, current = event["type"], event["object"]
             if kind == "DELETED":
-                raise TargetNotFound(
-                    f"{resource.plural} {meta['name']!r} was deleted while waiting for {require}"
-                )
-            if kind in ("ADDED", "MODIFIED") and readiness(current, require)[0]:
-                return resolved_from(current), True
+                raise TargetNotFound(f"{resource.plural} {meta['name']!r} was deleted while waiting for it")
+            if kind in ("ADDED", "MODIFIED"):
+                yield current
             if kind == "ERROR":
                 break  # e.g. the resourceVersion expired: re-read and watch again.
     except ApiException as exc:
         if exc.status == 403:
-            return None, False
+            return False
         if exc.status != 410:
             raise _classify(api, resource, meta["name"], meta["namespace"], exc) from exc
     except TransportError:
-        return None, False  # The watch stream broke (API server restart, a proxy): poll from now on.
+        return False  # The watch stream broke (API server restart, a proxy): poll from now on.
     finally:
         watcher.stop()
-    return None, True
+    return True

@@ -43,9 +43,12 @@ class TargetClient:
 
     `target` is one or more server URLs (`TargetClient("http://10.0.0.5:8000")`) or the name of an
     `Eagle3Target` (`TargetClient("llama-8b", namespace="training")`): a name is resolved (waiting up to
-    `wait` seconds for Ready) and its endpoints are re-read from the resource while running. Thread-safe.
-    A request is retried until `give_up_after_s` passes (or after `max_attempts`, when given), so a trainer
-    outlives a replica's restart: model loading takes minutes, far more than a fixed handful of retries.
+    `wait` seconds until it serves) and its endpoints are re-read from the resource while running; when
+    all of them fail and the resource says the target does not serve (idle, waking, restarting), the
+    client wakes it if idle and waits for it up to `wait` seconds again, time not counted against
+    `give_up_after_s`. Thread-safe. A request is retried until `give_up_after_s` passes (or after
+    `max_attempts`, when given), so a trainer outlives a replica's restart: model loading takes minutes,
+    far more than a fixed handful of retries.
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class TargetClient:
         refresh_interval_s: float = 30.0,
         device: torch.device | str = "cpu",
     ) -> None:
-        self._refresh: Callable[[], ResolvedTarget] | None = None
+        self._refresh: Callable[[float], ResolvedTarget] | None = None
         resolved: ResolvedTarget | None = None
         if isinstance(target, str) and "://" not in target:
             resolved, self._refresh = follow_resource(target, namespace, wait, kubeconfig)
@@ -82,8 +85,12 @@ class TargetClient:
         self.device = torch.device(device)
         # What happened on the wire: requests, bytes, retries by cause, refreshes (read it, don't write it).
         self.stats: Counter[str] = Counter()
+        self._wait = wait
         self._refresh_interval_s = refresh_interval_s
         self._last_refresh = time.monotonic()
+        self._refreshes = 0  # refreshes done, so a thread that waited for another's knows it happened
+        self._refresh_problem: str | None = None  # why the last refresh found no serving target
+        self._refresh_lock = threading.Lock()  # one thread re-reads the resource (and waits), not each
         self._lock = threading.RLock()
         self._fingerprint: str | None = None
         self._info: TargetInfo | None = None
@@ -249,12 +256,12 @@ class TargetClient:
         errors (a body cut short among them), 429, 503 and unparseable bodies, with back-off. Returns the
         parsed body and the URL that answered."""
         started = time.monotonic()
+        give_up_at = started + self.give_up_after_s
         last_problem, attempts = "no attempt made", 0
         for attempt in range(self.max_attempts) if self.max_attempts is not None else itertools.count():
-            self._maybe_refresh(force=attempt > 0 and self.pool.all_cooling())
+            give_up_at += self._maybe_refresh(force=attempt > 0 and self.pool.all_cooling())
             url, wait = self.pool.pick()
-            remaining = self.give_up_after_s - (time.monotonic() - started)
-            if wait > remaining:
+            if wait > give_up_at - time.monotonic():
                 break
             if wait > 0:
                 time.sleep(wait)
@@ -284,9 +291,10 @@ class TargetClient:
             self.pool.succeeded(url)
             self._count("bytes_received", reply.body.nbytes)
             return parsed, reply.url
+        resource = f"; the resource: {self._refresh_problem}" if self._refresh_problem else ""
         raise TargetUnavailable(
             f"{method} {path} failed on every endpoint of {list(self.pool.urls)} after "
-            f"{attempts} attempts in {time.monotonic() - started:.1f}s; last: {last_problem}"
+            f"{attempts} attempts in {time.monotonic() - started:.1f}s; last: {last_problem}{resource}"
         )
 
     def _send(self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]) -> Reply:
@@ -323,24 +331,40 @@ class TargetClient:
         with self._lock:
             self.stats[event] += amount
 
-    def _maybe_refresh(self, force: bool) -> None:
-        """Re-read the endpoints from the resource every refresh interval, or at once when all are failing."""
+    def _maybe_refresh(self, force: bool) -> float:
+        """Re-read the endpoints from the resource every refresh interval, or at once when all are failing;
+        then a target that does not serve is woken if idle and waited for up to `wait` seconds, as at the
+        start. Returns the seconds this waited for a target that serves again (not counted against
+        `give_up_after_s`: a wake takes scheduling and a model load)."""
         if self._refresh is None:
-            return
+            return 0.0
+        entered = time.monotonic()
         with self._lock:
-            due = time.monotonic() - self._last_refresh >= self._refresh_interval_s
-            if not (force or due):
-                return
+            if not (force or entered - self._last_refresh >= self._refresh_interval_s):
+                return 0.0
+            seen = self._refreshes
+        with self._refresh_lock:
+            with self._lock:
+                if self._refreshes != seen:  # another thread refreshed (and waited) meanwhile
+                    return time.monotonic() - entered if self._refresh_problem is None else 0.0
+            try:
+                target = self._refresh(self._wait if force else 0.0)
+            except ResolveError as exc:
+                self._count("refresh_failures")
+                self._note_refresh(problem=str(exc))
+                return 0.0  # Not serving (or the API server is away): keep trying the endpoints we know.
+            self._note_refresh(problem=None)
+            self._count("refreshes")
+            self._check_fingerprint(target.fingerprint, f"{target.namespace}/{target.name} status")
+            if target.urls:
+                self.pool.replace(target.urls)
+        return time.monotonic() - entered
+
+    def _note_refresh(self, problem: str | None) -> None:
+        with self._lock:
             self._last_refresh = time.monotonic()
-        try:
-            target = self._refresh()
-        except ResolveError:
-            self._count("refresh_failures")
-            return  # Not Ready right now: keep trying the endpoints we know.
-        self._count("refreshes")
-        self._check_fingerprint(target.fingerprint, f"{target.namespace}/{target.name} status")
-        if target.urls:
-            self.pool.replace(target.urls)
+            self._refreshes += 1
+            self._refresh_problem = problem
 
 
 def _parse_info(body: memoryview) -> TargetInfo:

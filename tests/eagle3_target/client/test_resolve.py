@@ -23,8 +23,11 @@ from eagle3_target.client import (
 from eagle3_target.client.resolve import TargetResource, readiness
 from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION
 
-from support.cluster.waiting import free_port
-from support.targets import create_target, target_status, write_status
+from support.cluster.waiting import eventually, free_port
+from support.targets import create_target, target_status, wake_annotation, write_status
+
+# status.idle as the operator writes it (no wake annotation when it went idle).
+IDLE = {"idle": {"since": "2026-01-01T00:00:00Z"}}
 
 
 def still_waiting(thread: threading.Thread) -> bool:
@@ -197,6 +200,11 @@ def test_cli_prints_json_and_urls(cluster, namespace, objects):
             False,
             "neither status.url",
         ),
+        (
+            {"metadata": {"generation": 2}, "status": target_status(2, "True", "Serving") | IDLE},
+            False,
+            "idle since 2026-01-01T00:00:00Z",
+        ),
         ({"metadata": {"generation": 2}, "status": target_status(2, "True", "Serving")}, True, "Serving"),
     ],
 )
@@ -295,8 +303,7 @@ def test_resolve_sets_the_wake_annotation_of_an_idle_target_unless_told_not_to(c
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
 
     def annotation() -> str | None:
-        body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "idle")
-        return (body["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)
+        return wake_annotation(objects, namespace, "idle")
 
     refused = cli("--no-wake")
     assert refused.returncode == 1 and "reason='Idle'" in refused.stderr and "from idle" not in refused.stderr
@@ -308,4 +315,111 @@ def test_resolve_sets_the_wake_annotation_of_an_idle_target_unless_told_not_to(c
     first = annotation()
     assert first is not None
     cli("--wait", "0")
+    assert annotation() == first  # asked once per wake
+    # The operator woke it and it idled again, recording the annotation it had then.
+    write_status(
+        objects,
+        namespace,
+        "idle",
+        status | {"idle": {"since": "2026-01-02T00:00:00Z", "wakeRequestedAt": first}},
+    )
+    cli("--wait", "0")
     assert annotation() not in (None, first)  # each wake is a new value, whatever the clocks say
+
+
+def wake_writes(objects, namespace: str, name: str, since: str) -> int:
+    """How many times the wake annotation changed after resourceVersion `since` (a watch replays them)."""
+    changes, last = 0, None
+    for event in kubernetes.watch.Watch().stream(
+        objects.list_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        field_selector=f"metadata.name={name}",
+        resource_version=since,
+        timeout_seconds=1,
+    ):
+        value = (event["object"]["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)
+        changes += value != last
+        last = value
+    return changes
+
+
+def test_every_rank_retrying_at_once_writes_the_wake_annotation_once_per_wake(cluster, namespace, objects):
+    """Eight ranks meet the idle target together, and again on their retry before the operator acts: one
+    write wakes it, the others see the wake asked for (or lose the conditional write) and wait."""
+    create_target(objects, namespace, "shared")
+    write_status(objects, namespace, "shared", target_status(1, "False", "Idle") | IDLE)
+    since = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "shared")["metadata"][
+        "resourceVersion"
+    ]
+
+    def all_ranks_resolve() -> None:
+        start = threading.Barrier(8)
+        outcomes: list[BaseException | ResolvedTarget] = []
+
+        def rank() -> None:
+            start.wait()
+            try:
+                outcomes.append(resolve("shared", namespace, wait=0, kubeconfig=str(cluster.kubeconfig)))
+            except BaseException as exc:
+                outcomes.append(exc)
+
+        ranks = [threading.Thread(target=rank) for _ in range(8)]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join(timeout=60)
+        assert len(outcomes) == 8
+        assert all(isinstance(o, ResolveTimeout) and "woken from idle" in str(o) for o in outcomes), outcomes
+
+    all_ranks_resolve()
+    assert wake_writes(objects, namespace, "shared", since) == 1
+    all_ranks_resolve()  # their retries, the target still idle
+    assert wake_writes(objects, namespace, "shared", since) == 1
+    first = wake_annotation(objects, namespace, "shared")
+    idle_again = {"idle": {"since": "2026-01-02T00:00:00Z", "wakeRequestedAt": first}}
+    write_status(objects, namespace, "shared", target_status(1, "False", "Idle") | idle_again)
+    all_ranks_resolve()
+    assert wake_writes(objects, namespace, "shared", since) == 2
+
+
+def test_a_target_going_idle_is_not_resolved_while_it_still_lists_ready_endpoints(
+    cluster, namespace, objects
+):
+    """status.idle is written before the scale-down: its endpoints are on their way out."""
+    create_target(objects, namespace, "draining")
+    write_status(objects, namespace, "draining", target_status(1, "True", "Serving") | IDLE)
+    with pytest.raises(ResolveTimeout, match="idle since"):
+        resolve("draining", namespace, wait=0, kubeconfig=str(cluster.kubeconfig), wake=False)
+
+
+def test_a_ready_waiter_wakes_a_target_that_idles_while_it_waits(cluster, namespace, objects):
+    create_target(objects, namespace, "degraded")
+    degraded = with_available(
+        {"metadata": {}, "status": target_status(1, "False", "Degraded")}, "True", "Serving", 1
+    )["status"]
+    write_status(objects, namespace, "degraded", degraded)
+    results: list[ResolvedTarget | BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(
+                resolve("degraded", namespace, wait=60, kubeconfig=str(cluster.kubeconfig), require="Ready")
+            )
+        except BaseException as exc:
+            results.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    assert still_waiting(waiter)
+    write_status(objects, namespace, "degraded", degraded | IDLE)
+    eventually(
+        lambda: wake_annotation(objects, namespace, "degraded"), "the waiter to wake the target", timeout=30
+    )
+    write_status(objects, namespace, "degraded", target_status(1, "True", "Serving") | {"idle": None})
+    waiter.join(timeout=60)
+    [target] = results
+    assert isinstance(target, ResolvedTarget), target
+    assert target.endpoints == ("http://127.0.0.2:8000",)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.cluster.waiting import eventually, free_port
 from support.server_process import AUTH_TOKEN, serve_in_thread
 from support.supervision import draft_mapping, token_batch
-from support.targets import create_target, target_status, write_status
+from support.targets import create_target, target_status, wake_annotation, write_status
 
 FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
 
@@ -298,6 +299,50 @@ def test_client_by_resource_name_follows_endpoint_changes(
         assert_identical(client.batch(*token_batch(6, pad_last=3)), reference(llama_runner, seed=6))
     assert client.pool.urls == (llama_server.url,)
     assert client.stats["refreshes"] >= 1
+
+
+def test_a_client_by_name_waits_its_own_wait_for_a_target_that_idled(
+    cluster, namespace, objects, llama_server, llama_runner
+):
+    """A run paused past the idle window: its target went to zero. The client wakes it and waits for it as
+    long as its `wait` says, far longer than its `give_up_after_s` of failing endpoints."""
+    published = target_status(1, "True", "Serving")
+    published["model"] = published["model"] | {"fingerprint": llama_server_fingerprint(llama_server)}
+    gone = published | {"endpoints": [endpoint(f"http://127.0.0.1:{free_port()}")]}
+    create_target(objects, namespace, "napping")
+    write_status(objects, namespace, "napping", gone)  # the pod the client knows is gone
+    client = TargetClient(
+        "napping",
+        namespace=namespace,
+        wait=120,
+        give_up_after_s=1,
+        kubeconfig=str(cluster.kubeconfig),
+        token=AUTH_TOKEN,
+        **FAST_RETRIES,
+    )
+    asleep = {"conditions": target_status(1, "False", "Idle")["conditions"], "endpoints": []}
+    write_status(objects, namespace, "napping", gone | asleep | {"idle": {"since": "2026-01-01T00:00:00Z"}})
+    results: list[Eagle3TargetBatch | BaseException] = []
+
+    def train() -> None:
+        try:
+            results.append(client.batch(*token_batch(7, pad_last=3)))
+        except BaseException as exc:
+            results.append(exc)
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    eventually(
+        lambda: wake_annotation(objects, namespace, "napping"), "the client to wake its target", timeout=30
+    )
+    time.sleep(2)  # scheduling and a model load: past the client's give_up_after_s
+    serving = published | {"endpoints": [endpoint(llama_server.url)], "idle": None}
+    write_status(objects, namespace, "napping", serving)
+    trainer.join(timeout=60)
+    client.close()
+    [batch] = results
+    assert isinstance(batch, Eagle3TargetBatch), batch
+    assert_identical(batch, reference(llama_runner, seed=7))
 
 
 def endpoint(url: str) -> dict:
