@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster.waiting import eventually, free_port
 from support.server_process import AUTH_TOKEN, serve_in_thread
-from support.supervision import draft_mapping, token_batch
+from support.supervision import TokenBatch, draft_mapping, token_batch
 from support.targets import create_target, target_status, wake_annotation, write_status
 
 FAST_RETRIES = {"backoff_initial_s": 0.05, "backoff_max_s": 0.2}
@@ -224,16 +224,7 @@ def test_a_restarted_endpoint_is_waited_for_and_a_changed_target_refused(
     url = f"http://127.0.0.1:{port}"
     strict = TargetClient(url, give_up_after_s=180, **FAST_RETRIES)
     tolerant = TargetClient(url, allow_fingerprint_change=True, **FAST_RETRIES)
-    outcome: list[Eagle3TargetBatch | BaseException] = []
-
-    def fetch() -> None:
-        try:
-            outcome.append(strict.batch(*token_batch(4, pad_last=3)))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    fetcher = threading.Thread(target=fetch)
-    fetcher.start()
+    fetcher, outcome = batch_in_thread(strict, token_batch(4, pad_last=3))
 
     def first_attempt_refused() -> bool:  # nothing listens yet: the first attempt must fail
         if strict.stats["connection_errors"]:
@@ -322,16 +313,7 @@ def test_a_client_by_name_waits_its_own_wait_for_a_target_that_idled(
     )
     asleep = {"conditions": target_status(1, "False", "Idle")["conditions"], "endpoints": []}
     write_status(objects, namespace, "napping", gone | asleep | {"idle": {"since": "2026-01-01T00:00:00Z"}})
-    results: list[Eagle3TargetBatch | BaseException] = []
-
-    def train() -> None:
-        try:
-            results.append(client.batch(*token_batch(7, pad_last=3)))
-        except BaseException as exc:
-            results.append(exc)
-
-    trainer = threading.Thread(target=train)
-    trainer.start()
+    trainer, results = batch_in_thread(client, token_batch(7, pad_last=3))
     eventually(
         lambda: wake_annotation(objects, namespace, "napping"), "the client to wake its target", timeout=30
     )
@@ -436,3 +418,20 @@ def test_a_cut_answer_fails_over_to_the_other_endpoint(llama_server, llama_runne
         for _ in range(3):
             assert torch.equal(client.supervise(input_ids, attention_mask)["final_hidden"], final)
     assert client.stats["connection_errors"] >= 1
+
+
+def batch_in_thread(
+    client: TargetClient, tensors: TokenBatch
+) -> tuple[threading.Thread, list[Eagle3TargetBatch | BaseException]]:
+    """`client.batch(*tensors)` on a started thread; its batch, or what it raised, lands in the list."""
+    outcome: list[Eagle3TargetBatch | BaseException] = []
+
+    def fetch() -> None:
+        try:
+            outcome.append(client.batch(*tensors))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=fetch)
+    thread.start()
+    return thread, outcome
