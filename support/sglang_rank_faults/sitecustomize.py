@@ -13,8 +13,8 @@ import torch
 from eagle3_target.runners.sglang_tp import KVPool
 
 # A batch holding one of these tokens fails: on every rank, as SGLang refuses a batch ("Prefill out of
-# memory"); on every rank with a CUDA error, which loses the device; or on rank 1 only, while rank 0 waits
-# for it in a collective, for good.
+# memory", rank 0 last); on every rank with a CUDA error, which loses the device; or on rank 1 only, while
+# rank 0 waits for it in a collective, for good.
 REFUSED_BY_EVERY_RANK = 201
 DEVICE_LOST = 202
 FAILED_BY_RANK_1 = 203
@@ -42,6 +42,8 @@ class FaultyRank:
     def extend(self, prompts: list[list[int]], prenorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = {token for prompt in prompts for token in prompt}
         if REFUSED_BY_EVERY_RANK in tokens:
+            if self.tp_rank == 0:
+                time.sleep(0.5)  # rank 1's refusal arrives first: the runner still names rank 0's
             raise RuntimeError("Prefill out of memory. Try to lower your batch size.")
         if DEVICE_LOST in tokens:
             raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")

@@ -244,12 +244,12 @@ class RankProcesses:
 
 
 def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> list[Any]:
-    """Each rank's reply to `command`, waiting until all have replied. The first error is raised once every
-    rank has answered (ModelRefused at start, RuntimeError after); `RanksEnded` when a rank died or lost its
-    device, or did not answer within `STEP_SKEW_TIMEOUT_S` of another's error, or all of them did not
-    within `timeout`."""
+    """Each rank's reply to `command`, waiting until all have replied. The lowest rank's error is raised
+    once every rank has answered, whichever answered first (ModelRefused at start, RuntimeError after);
+    `RanksEnded` when a rank died or lost its device, or did not answer within `STEP_SKEW_TIMEOUT_S` of
+    another's error, or all of them did not within `timeout`."""
     replies: dict[int, Any] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
     lost = False
     while len(replies) < len(ranks):
         waiting = [r for r in range(len(ranks)) if r not in replies]
@@ -257,9 +257,9 @@ def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> 
         ready = wait([ranks[r].conn for r in waiting] + [ranks[r].process.sentinel for r in waiting], limit)
         if not ready:
             if errors:
-                late = ", ".join(map(str, waiting))
+                first, late = errors[min(errors)], ", ".join(map(str, waiting))
                 raise RanksEnded(
-                    f"{errors[0]}; rank {late} did not answer in {limit} s: the ranks are out of step"
+                    f"{first}; rank {late} did not answer in {limit} s: the ranks are out of step"
                 )
             raise RanksEnded(f"SGLang's tensor-parallel ranks did not finish {command} in {timeout} s")
         for r in waiting:
@@ -278,16 +278,17 @@ def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> 
                 )
                 if command == "start":
                     raise ModelRefused(message)
-                raise RanksEnded("; ".join([*errors, message]))
+                raise RanksEnded("; ".join([*(errors[e] for e in sorted(errors)), message]))
             status, value = reply
             if status != "ok":
-                errors.append(f"SGLang tensor-parallel rank {r} failed ({command}): {value}")
+                errors[r] = f"SGLang tensor-parallel rank {r} failed ({command}): {value}"
                 lost = lost or status == "lost"
                 if command == "start":  # the others wait for it at the rendezvous: no use waiting for them
-                    raise ModelRefused(errors[0])
+                    raise ModelRefused(errors[r])
             replies[r] = value
     if errors:
-        raise RanksEnded(errors[0]) if lost else RuntimeError(errors[0])
+        first = errors[min(errors)]
+        raise RanksEnded(first) if lost else RuntimeError(first)
     return [replies[r] for r in range(len(ranks))]
 
 

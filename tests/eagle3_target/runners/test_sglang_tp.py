@@ -34,7 +34,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     monkeypatch.setenv("PYTHONPATH", str(Path(faults.__file__).parent))
     before = set(live_children())
     ranks = RankProcesses.start(SimpleNamespace(tp_size=2, nccl_port=free_port(), device="cpu"))
-    yield Started(ranks, sorted(set(live_children()) - before, key=lambda p: p.create_time()))
+    yield Started(ranks, sorted(set(live_children()) - before, key=lambda p: (p.create_time(), p.pid)))
     ranks.close()
 
 
