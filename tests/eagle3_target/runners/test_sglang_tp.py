@@ -18,7 +18,7 @@ from eagle3_target.runners import sglang_tp
 from eagle3_target.runners.sglang_tp import RankProcesses, RanksEnded
 
 from support.cluster.waiting import eventually, free_port
-from support.sglang_rank_faults import sitecustomize as faults
+from support.sglang_rank_faults import faults
 
 GOOD = [[1, 2, 3], [4, 5]]
 
