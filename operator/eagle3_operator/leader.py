@@ -18,6 +18,7 @@ Cancelling `run` is the clean stop: renewing ends, then the Lease is released.
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -60,13 +61,18 @@ class LeaderElector:
         self._observed_at = 0.0  # when it was last seen to change (monotonic)
         self.leading = False
 
-    async def acquire(self) -> None:
-        """Wait until this candidate holds the Lease."""
+    async def acquire(self) -> float:
+        """Wait until this candidate holds the Lease; return when the attempt that took it began (monotonic),
+        the moment its renew deadline counts from."""
         logger.info("leader election: %s waits for Lease %s/%s", self.identity, self.namespace, self.name)
-        while not await self._try():
+        while True:
+            started = time.monotonic()
+            if await self._try():
+                break
             await asyncio.sleep(self._retry)
         self.leading = True
         logger.info("leader election: %s leads (Lease %s/%s)", self.identity, self.namespace, self.name)
+        return started
 
     async def run(
         self, on_started_leading: Callable[[], None], on_stopped_leading: Callable[[], None]
@@ -75,9 +81,9 @@ class LeaderElector:
         any exception) calls `on_stopped_leading()` at once: it must stop the acting (exit the process).
         Cancelled, it stops renewing, then releases the Lease, so a standby takes over at once."""
         try:
-            await self.acquire()
+            taken = await self.acquire()
             on_started_leading()
-            await self._renew()
+            await self._renew(taken)
         except asyncio.CancelledError:
             await self.release()
             raise
@@ -86,12 +92,12 @@ class LeaderElector:
         self.leading = False
         on_stopped_leading()
 
-    async def _renew(self) -> None:
+    async def _renew(self, renewed: float) -> None:
         """Renew every retry period; return the moment the Lease has gone unrenewed for the renew deadline
-        (counted from the start of the last attempt that renewed it). Every wait and every attempt is cut at
-        that moment (client-go bounds its renewal by the deadline the same way), so however slowly the API
-        server answers, this replica stops acting before another may take the Lease."""
-        renewed = time.monotonic()
+        (counted from the start of the last attempt that took or renewed it, `renewed` at first). Every wait
+        and every attempt is cut at that moment (client-go bounds its renewal by the deadline the same way),
+        so however slowly the API server answers, this replica stops acting before another may take the
+        Lease."""
         while True:
             deadline = renewed + self._renew_deadline
             await asyncio.sleep(min(self._retry, max(deadline - time.monotonic(), 0)))
@@ -118,11 +124,11 @@ class LeaderElector:
         except KubeError as error:  # the lease then simply runs out
             logger.warning("leader election: could not release the Lease: %s", error)
 
-    async def _try(self, limit: float | None = None) -> bool:
+    async def _try(self, limit: float = math.inf) -> bool:
         """One attempt to take or renew the Lease, bounded in time (twice the retry period, or `limit` if
         less); failures are answers, not errors."""
         try:
-            async with asyncio.timeout(min(self._retry * 2, limit or self._retry * 2)):
+            async with asyncio.timeout(min(self._retry * 2, limit)):
                 return await self._take_or_renew()
         except (KubeError, TimeoutError) as error:
             logger.warning("leader election: %s", str(error) or "the API server did not answer in time")
