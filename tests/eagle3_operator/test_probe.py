@@ -331,7 +331,14 @@ def test_reports_count_unknown_activity_and_leave_out_servers_that_do_not_serve(
                 endpoints = {"serving": url_of(servers), "stalling": stalling, "gone": f"http://{LOOPBACK}:1"}
                 prober.watch("t", endpoints)
                 unprobed = prober.reports("t")
-                await eventually_async(lambda: len(prober.reports("t")) == 2 and prober.reports("t")[0])
+
+                def settled() -> bool:
+                    """Every endpoint has answered or run out of time (the stalling one: 0.5 s)."""
+                    results = prober.watch("t", endpoints)
+                    heard = results["stalling"].timed_out and results["gone"] is not NOT_PROBED
+                    return heard and prober.reports("t")[0] is not None
+
+                await eventually_async(settled)
                 return unprobed, prober.reports("t"), before
         finally:
             await prober.close()
