@@ -7,9 +7,11 @@ it carries and which query parameters it takes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -156,6 +158,17 @@ CLIENT_HEADER = "X-Eagle3-Client"
 # Set (to the time, or any new value) on an Eagle3Target to wake it from Idle: `resolve()` does when it finds
 # a target idle; the operator wakes a target whose value differs from the one it recorded when it went idle.
 ANNOTATION_WAKE_REQUESTED = f"{GROUP}/wake-requested-at"
+# The member of status.idle holding that annotation's value when the target went idle.
+IDLE_WAKE_RECORDED = "wakeRequestedAt"
+
+
+def wake_requested(annotation: str | None, idle: Mapping[str, Any]) -> bool:
+    """Whether an idle target (`idle`: its status.idle) is asked to wake: its wake annotation now differs
+    from the value recorded when it went idle. Comparing values, not times, is immune to clock skew between
+    the caller and the operator."""
+    return annotation != idle.get(IDLE_WAKE_RECORDED)
+
+
 # A consumer is active while its last data request is at most this old (the server's active-clients gauge,
 # the operator's status.consumers).
 CONSUMER_WINDOW_SECONDS = 600

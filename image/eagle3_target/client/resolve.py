@@ -34,7 +34,14 @@ from eagle3_target.client.errors import (
     TargetCRDMissing,
     TargetNotFound,
 )
-from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION, ServedModel
+from eagle3_target.protocol import (
+    ANNOTATION_WAKE_REQUESTED,
+    GROUP,
+    PLURAL,
+    VERSION,
+    ServedModel,
+    wake_requested,
+)
 
 IN_CLUSTER_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # Used only when watching fails: forbidden (a role granting get but not watch) or a broken stream.
@@ -144,21 +151,14 @@ def idle(obj: dict[str, Any]) -> bool:
     return bool((obj.get("status") or {}).get("idle"))
 
 
-def wake_requested(obj: dict[str, Any]) -> bool:
-    """Whether someone asked an idle target to wake: its wake annotation differs from the value status.idle
-    recorded when it went idle."""
-    recorded = obj["status"]["idle"].get("wakeRequestedAt")
-    return (obj["metadata"].get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED) != recorded
-
-
 def request_wake(api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[str, Any]) -> None:
     """Ask the operator to wake an idle target, once per wake whoever asks: a new value of its wake
     annotation (the time, to the microsecond), written only while the annotation still has the value
     status.idle recorded, and only onto the version read (a conflict means someone else wrote meanwhile: the
     next read shows whether the wake is asked for)."""
-    if wake_requested(obj):
-        return
     meta = obj["metadata"]
+    if wake_requested((meta.get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED), obj["status"]["idle"]):
+        return
     patch = {
         "metadata": {
             "resourceVersion": meta["resourceVersion"],

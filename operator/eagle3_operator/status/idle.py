@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS
+from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, IDLE_WAKE_RECORDED, wake_requested
 
 from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_operator.status.observation import ActivityReport, parse_timestamp, timestamp
@@ -67,15 +67,17 @@ def judge_idle(
     if after is None or spec.suspend or spec.external:
         return IdleJudgement(None, consumers, consumers_recheck)
     if stored:
-        awake = wake != stored.get("wakeRequestedAt")
+        awake = wake_requested(wake, stored)
         return IdleJudgement(None if awake else dict(stored), consumers, consumers_recheck)
-    deadline = _deadline(previous, reports, consumers, after, now)
+    if None in reports:  # some endpoint's activity is unknown: it keeps the target awake
+        return IdleJudgement(None, consumers, consumers_recheck)
+    deadline = _deadline(previous, known, consumers, after, now)
     if deadline is None:
         return IdleJudgement(None, consumers, consumers_recheck)
     if now < deadline:
         return IdleJudgement(None, consumers, _earliest((deadline - now).total_seconds(), consumers_recheck))
     if all(report.asked_at >= deadline for report in known):
-        idle = {"since": timestamp(now), "wakeRequestedAt": wake}
+        idle = {"since": timestamp(now), IDLE_WAKE_RECORDED: wake}
         return IdleJudgement(idle, consumers, consumers_recheck)
     return IdleJudgement(None, consumers, consumers_recheck, reports_wanted_after=deadline)
 
@@ -86,23 +88,23 @@ def idle_message(spec: Eagle3TargetSpec) -> str:
 
 def _deadline(
     previous: Mapping[str, Any],
-    reports: Sequence[ActivityReport | None],
+    reports: Sequence[ActivityReport],
     consumers: Mapping[str, Any],
     after: int,
     now: datetime,
 ) -> datetime | None:
     """When the target is idle unless a newer request shows up: a window after its last data request or
     after it last became Available, whichever is later. None while it cannot go idle: not serving (loading,
-    downloading, failing), still rolling out or downloading a new revision, or some endpoint's activity
-    unknown. A request in flight puts the deadline a window from now."""
+    downloading, failing) or still rolling out or downloading a new revision. A request in flight puts the
+    deadline a window from now."""
     available = _condition(previous, "Available")
     serving_since = parse_timestamp(available.get("lastTransitionTime"))
     if available.get("status") != "True" or serving_since is None or not reports:
         return None
-    if _condition(previous, "Progressing").get("status") == "True" or None in reports:
+    if _condition(previous, "Progressing").get("status") == "True":
         return None
     window = timedelta(seconds=after)
-    if any(report is not None and report.activity.in_flight for report in reports):
+    if any(report.activity.in_flight for report in reports):
         return now + window
     stored_last = parse_timestamp(consumers.get("lastRequestAt"))
     moments = [serving_since, *([stored_last] if stored_last else []), *_last_requests(reports)]
@@ -142,9 +144,9 @@ def _consumers(
     return consumers, max(min(leaves, step), MIN_LAST_REQUEST_STEP_S)
 
 
-def _last_requests(reports: Sequence[ActivityReport | None]) -> list[datetime]:
+def _last_requests(reports: Sequence[ActivityReport]) -> list[datetime]:
     """The last data request of each server that has had one."""
-    return [last for report in reports if report is not None and (last := report.last_request) is not None]
+    return [last for report in reports if (last := report.last_request) is not None]
 
 
 def _last_request_step(after: int | None) -> float:

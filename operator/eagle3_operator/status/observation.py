@@ -123,10 +123,14 @@ class ActivityReport:
     def last_request(self) -> datetime | None:
         """The latest moment its last data request can have started or ended; None: it has had none."""
         idle = self.activity.idle_seconds
-        return None if idle is None else self.answered_at - timedelta(seconds=idle)
+        return None if idle is None else self._before_answer(idle)
 
     def client_last(self, client: ClientActivity) -> datetime:
-        return self.answered_at - timedelta(seconds=client.idle_seconds)
+        return self._before_answer(client.idle_seconds)
+
+    def _before_answer(self, age: float) -> datetime:
+        """An age the server measured, placed on the operator's clock as late as it can be."""
+        return self.answered_at - timedelta(seconds=age)
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ class ProbeResult:
     progress: str | None = None  # a loading server's own account of its load (the message of its 503)
     timed_out: bool = False  # the probe ran out of time (the prober then keeps the endpoint apart)
     # What a ready server's /readyz said about its data requests (None: it did not say). Not compared: a
-    # new request is no new verdict (the prober asks for a pass when the set of clients changes).
+    # new request is no new verdict (the prober asks for a pass when the number of active clients or the
+    # set of listed ones changes).
     activity: ActivityReport | None = field(default=None, compare=False)
 
 

@@ -177,9 +177,7 @@ def _exit_failure(container: Mapping[str, Any]) -> Failure | None:
         return Failure(
             "OOMKilled", f"{exited}: killed at its memory limit; raise spec.resources.limits.memory"
         )
-    reason = SERVER_EXIT_REASONS.get(code) if name == SERVER_CONTAINER else None
-    if name == DOWNLOAD_CONTAINER:
-        reason = DOWNLOAD_FAILED
+    reason = {SERVER_CONTAINER: SERVER_EXIT_REASONS.get(code), DOWNLOAD_CONTAINER: DOWNLOAD_FAILED}.get(name)
     if reason is None:
         return None
     return Failure(reason, f"{said} ({exited})" if said else exited)

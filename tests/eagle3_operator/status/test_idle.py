@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from eagle3_operator.render.deployment import build_deployment
 from eagle3_operator.render.names import owner_reference
+from eagle3_operator.settings import OperatorConfig
 from eagle3_operator.status.document import compute_status, status_patch
 from eagle3_operator.status.idle import MAX_LISTED_CONSUMERS, MIN_LAST_REQUEST_STEP_S, judge_idle
 from eagle3_operator.status.observation import ActivityReport, Failure
@@ -16,8 +17,7 @@ from support.observations import T0, make_spec, observe
 from support.targets import condition
 
 WINDOW = "60s"
-# The operator's default probe period (settings.OperatorConfig.reprobe_seconds).
-PROBE_PERIOD = 10.0
+PROBE_PERIOD = OperatorConfig.reprobe_seconds  # the operator's default
 
 
 def served(since: Any = T0, **extra: Any) -> dict[str, Any]:
