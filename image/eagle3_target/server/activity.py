@@ -56,14 +56,16 @@ class ActivityLog:
 
     def active(self, window: float = CONSUMER_WINDOW_SECONDS) -> int:
         """Clients with a data request in the last `window` seconds (the active-clients gauge)."""
-        since = time.monotonic() - window
         with self._lock:
-            return sum(1 for _, last in self._clients.values() if last >= since)
+            return self._active(time.monotonic(), window)
+
+    def _active(self, now: float, window: float) -> int:
+        """`active` at `now`; the caller holds the lock, so a snapshot's figures are all of one moment."""
+        return sum(1 for _, last in self._clients.values() if last >= now - window)
 
     def snapshot(self, *, identities: bool = True) -> Activity:
         """Counts and ages now; the most recent clients' ids too unless `identities` is False (a caller
         without the token of a target with auth learns how much it is used, not by whom)."""
-        active = self.active()
         with self._lock:
             now = time.monotonic()
             recent = list(itertools.islice(reversed(self._clients.items()), MAX_LISTED)) if identities else []
@@ -71,7 +73,7 @@ class ActivityLog:
                 requests=self._requests,
                 idle_seconds=None if self._last is None else now - self._last,
                 in_flight=self._in_flight,
-                active_clients=active,
+                active_clients=self._active(now, CONSUMER_WINDOW_SECONDS),
                 clients=tuple(
                     ClientActivity(id=client, requests=requests, idle_seconds=now - last)
                     for client, (requests, last) in recent

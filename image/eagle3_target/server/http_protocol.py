@@ -93,6 +93,7 @@ def unsent_bytes(transport: asyncio.Transport) -> int:
     queued = 0
     sock = transport.get_extra_info("socket")
     if sock is not None:
+        # termios names SIOCOUTQ TIOCOUTQ: on Linux they are the same ioctl (0x5411).
         with contextlib.suppress(OSError):  # closed meanwhile
             (queued,) = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))
     return transport.get_write_buffer_size() + queued
