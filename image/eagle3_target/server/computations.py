@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
 from eagle3_target import formats
@@ -15,21 +16,25 @@ from eagle3_target.contract import VocabMapping, build_batch
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.server.batching import Tensors
-from eagle3_target.server.errors import PayloadTooLarge
+from eagle3_target.server.streaming import AnswerHold
 from eagle3_target.server.target import LoadedTarget
 
 # Room for an answer's framing (safetensors header, NeMo's per-entry framing) beside its tensors' data.
 _FRAMING_BYTES = 4096
 
 
-def weight_tensor(target: LoadedTarget, name: str) -> Tensor:
-    """One of `protocol.WEIGHT_NAMES` as the contiguous CPU tensor the wire formats encode."""
+async def held_weight(target: LoadedTarget, name: str, answer: AnswerHold) -> Tensor:
+    """One of `protocol.WEIGHT_NAMES` as the contiguous CPU tensor the wire formats encode. Its bytes are
+    taken in ``answer`` from the weight where it lives, before the host copy (a full one, from a GPU) is
+    made on a pool thread, so weight requests beyond the cap on answers in flight are refused uncopied."""
     getters = {
         "input_embeddings": target.runner.input_embedding_weight,
         "lm_head": target.runner.lm_head_weight,
         "final_norm": target.runner.final_norm_weight,
     }
-    return getters[name]().detach().cpu().contiguous()
+    weight = getters[name]().detach()
+    answer.take(weight.numel() * weight.element_size())
+    return await run_in_threadpool(lambda: weight.cpu().contiguous())
 
 
 def supervision_compute(
@@ -81,16 +86,6 @@ def nemo_answer_bytes(target: LoadedTarget, tokens: int, mapping: VocabMapping) 
     """The size of NeMo's ``/generate`` answer for ``tokens`` tokens, framing included (an upper bound)."""
     per_token = formats.bytes_per_token("probs", _token_sizes(target, mapping, torch.float32))
     return tokens * (per_token + _NEMO_EXTRA_BYTES_PER_TOKEN) + _FRAMING_BYTES
-
-
-def refuse_oversized(answer_bytes: int, limit: int, tokens: int) -> None:
-    """413 before any compute when an answer would not fit the per-request limit."""
-    if answer_bytes > limit:
-        raise PayloadTooLarge(
-            f"the answer for {tokens} tokens would be {answer_bytes} bytes, over this server's limit of "
-            f"{limit} bytes per response (--max-response-bytes): send fewer tokens per request",
-            details={"response_bytes": answer_bytes, "max_response_bytes": limit},
-        )
 
 
 def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callable[[Tensors], Tensors]:

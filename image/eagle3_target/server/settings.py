@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated
 
@@ -155,25 +156,29 @@ class ServerSettings(BaseSettings):
         """Largest accepted body for routes that take token batches."""
         return _BODY_BYTES_PER_TOKEN * self.max_batch_tokens + _BODY_SLACK_BYTES
 
-    @property
+    # Cached: read from the cgroup once, when the server starts, so every request sees the same limits.
+    @cached_property
     def response_byte_limit(self) -> int:
         """``--max-response-bytes``, else what fits the container: the answer is held in host memory (up to
         1.5 times, while it streams) beside the model, the queue and the other clients' answers."""
-        if self.max_response_bytes is not None:
-            return self.max_response_bytes
-        memory = container_memory_limit()
-        return DEFAULT_MAX_RESPONSE_BYTES if memory is None else min(DEFAULT_MAX_RESPONSE_BYTES, memory // 4)
+        return _memory_share(self.max_response_bytes, DEFAULT_MAX_RESPONSE_BYTES, divisor=4)
 
-    @property
+    @cached_property
     def in_flight_byte_limit(self) -> int:
         """``--max-response-bytes-in-flight``, else half the container's memory: two of the largest answers
         by default, beside the model, the queue and the transport's buffers."""
-        if self.max_response_bytes_in_flight is not None:
-            return self.max_response_bytes_in_flight
-        memory = container_memory_limit()
-        if memory is None:
-            return DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT
-        return min(DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT, memory // 2)
+        return _memory_share(
+            self.max_response_bytes_in_flight, DEFAULT_MAX_RESPONSE_BYTES_IN_FLIGHT, divisor=2
+        )
+
+
+def _memory_share(flag: int | None, default: int, *, divisor: int) -> int:
+    """A memory limit's flag when set, else ``default`` or ``1/divisor`` of the container's memory limit,
+    whichever is less."""
+    if flag is not None:
+        return flag
+    memory = container_memory_limit()
+    return default if memory is None else min(default, memory // divisor)
 
 
 def container_memory_limit() -> int | None:

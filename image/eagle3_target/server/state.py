@@ -45,7 +45,11 @@ class ServerState:
         self.worker = EngineWorker(
             max_queue=settings.max_queue, max_batch_tokens=settings.max_batch_tokens, metrics=self.metrics
         )
-        self.answers = AnswerMemory(settings.in_flight_byte_limit, self.metrics)
+        self.answers = AnswerMemory(
+            answer_limit=settings.response_byte_limit,
+            in_flight_limit=settings.in_flight_byte_limit,
+            metrics=self.metrics,
+        )
         self.mappings: LruDict[VocabMapping] = LruDict(settings.max_vocab_mappings)
         self.nemo_bindings = NemoMappingBindings(self.mappings)
         self.target: LoadedTarget | None = None
@@ -68,9 +72,7 @@ class ServerState:
         except Exception as exc:
             line = failure_line(exc)
             log.error("model load failed: %s", line, exc_info=not isinstance(exc, LoadFailed | ModelRefused))
-            write_termination_message(self.settings.termination_log, line)
-            self.loading.fail(line)
-            self.on_failure()
+            self._fail(line, record=lambda: self.loading.fail(line))
             return
         self.worker.start()
         self.metrics.model_info.info({k: str(v) for k, v in target.info.model_dump(mode="json").items()})
@@ -104,9 +106,18 @@ class ServerState:
     def _engine_died(self, failure: str) -> None:
         line = one_line(f"the engine failed: {failure}; the server exits so that it is restarted")
         log.error(line)
+
+        def record() -> None:
+            self.engine_failure = failure
+            self.metrics.ready.set(0)
+
+        self._fail(line, record)
+
+    def _fail(self, line: str, record: Callable[[], None]) -> None:
+        """The server can serve no more: ``line`` goes to the termination log (what Kubernetes shows as the
+        reason) before ``record`` makes the failure visible to requests and probes, then the CLI stops."""
         write_termination_message(self.settings.termination_log, line)
-        self.engine_failure = failure
-        self.metrics.ready.set(0)
+        record()
         self.on_failure()
 
     async def run_on_engine(self, job: EngineJob, request: Request) -> Tensors:

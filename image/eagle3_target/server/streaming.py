@@ -7,7 +7,7 @@ clients interleave (a small answer is not stuck behind another client's large on
 
 Answers are held in memory until their last byte is sent, so two things bound what they hold: a connection
 whose client takes no byte for ``--response-send-timeout`` is closed (http_protocol), which ends its response
-at once, and `AnswerMemory` caps the bytes of all answers in flight.
+at once, and `AnswerMemory` caps the bytes of each answer and of all answers in flight.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from eagle3_target.protocol import OCTET_STREAM
-from eagle3_target.server.errors import AnswerMemoryFull
+from eagle3_target.server.errors import AnswerMemoryFull, PayloadTooLarge
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.wire import Payload
 
@@ -59,32 +59,56 @@ class AnswerHold:
         self.nbytes = 0
 
     def take(self, nbytes: int) -> None:
-        """Count ``nbytes`` more for this answer; 503 with Retry-After when they would pass the cap beside
-        the other answers in flight. A lone answer is always admitted (its size is capped per request), so a
-        request the server accepts is served once the others are gone."""
-        memory = self._memory
-        if memory.held and memory.held + nbytes > memory.limit:
-            memory.metrics.answer_memory_refusals.inc()
-            raise AnswerMemoryFull(
-                f"the answers in flight hold {memory.held} bytes; this one's {nbytes} would pass the limit "
-                f"of {memory.limit} (--max-response-bytes-in-flight): retry shortly",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-                details={"answer_bytes": nbytes, "held_bytes": memory.held, "limit_bytes": memory.limit},
-            )
-        memory.add(nbytes)
+        """Count ``nbytes`` more for this answer (503 when they would pass the cap on answers in flight)."""
+        self._memory.reserve(nbytes)
         self.nbytes += nbytes
+
+    def take_answer(self, nbytes: int, tokens: int) -> None:
+        """`take` the answer for ``tokens`` tokens, but 413 first when it is over the per-request limit."""
+        self._memory.refuse_oversized(nbytes, tokens)
+        self.take(nbytes)
 
 
 class AnswerMemory:
     """The bytes all answers in flight hold, from before their compute until their last byte is sent or
-    their connection is gone, capped at ``limit``. Used from the event loop only, so it needs no lock."""
+    their connection is gone, capped at ``in_flight_limit``; one answer is capped at ``answer_limit``. Used
+    from the event loop only, so it needs no lock."""
 
-    def __init__(self, limit: int, metrics: ServerMetrics) -> None:
-        self.limit = limit
+    def __init__(self, *, answer_limit: int, in_flight_limit: int, metrics: ServerMetrics) -> None:
+        self.answer_limit = answer_limit
+        self.in_flight_limit = in_flight_limit
         self.metrics = metrics
         self.held = 0
 
-    def add(self, nbytes: int) -> None:
+    def refuse_oversized(self, nbytes: int, tokens: int) -> None:
+        """413 before any compute when an answer would not fit the per-request limit."""
+        if nbytes > self.answer_limit:
+            raise PayloadTooLarge(
+                f"the answer for {tokens} tokens would be {nbytes} bytes, over this server's limit of "
+                f"{self.answer_limit} bytes per response (--max-response-bytes): send fewer tokens per "
+                "request",
+                details={"response_bytes": nbytes, "max_response_bytes": self.answer_limit},
+            )
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold ``nbytes`` more; 503 with Retry-After when they would pass the cap beside the other answers
+        in flight. A lone answer is always admitted (its size is capped per request), so a request the
+        server accepts is served once the others are gone."""
+        if self.held and self.held + nbytes > self.in_flight_limit:
+            self.metrics.answer_memory_refusals.inc()
+            raise AnswerMemoryFull(
+                f"the answers in flight hold {self.held} bytes; this one's {nbytes} would pass the limit "
+                f"of {self.in_flight_limit} (--max-response-bytes-in-flight): retry shortly",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                details={
+                    "answer_bytes": nbytes,
+                    "held_bytes": self.held,
+                    "limit_bytes": self.in_flight_limit,
+                },
+            )
+        self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
         self.held += nbytes
         self.metrics.answer_bytes_in_flight.set(self.held)
 
@@ -95,4 +119,4 @@ class AnswerMemory:
         try:
             yield hold
         finally:
-            self.add(-hold.nbytes)
+            self._add(-hold.nbytes)

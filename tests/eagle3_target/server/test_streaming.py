@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS, WEIGHT_NAMES
-from eagle3_target.server.errors import AnswerMemoryFull
+from eagle3_target.server.errors import AnswerMemoryFull, PayloadTooLarge
 from eagle3_target.server.metrics import ServerMetrics
 from eagle3_target.server.streaming import AnswerMemory
 from eagle3_target.tiny import write_tiny_model
@@ -308,10 +308,15 @@ def test_answers_beyond_the_bytes_in_flight_get_503_until_the_held_ones_go(wide_
 
 
 def test_a_lone_answer_always_fits_and_every_hold_is_given_back():
-    """An answer the per-request cap accepts is never refused for good: alone, it goes over the cap."""
-    memory = AnswerMemory(100, ServerMetrics())
+    """An answer the per-request cap accepts is never refused for good: alone, it goes over the cap on
+    answers in flight; one over the per-request cap is 413 and holds nothing."""
+    memory = AnswerMemory(answer_limit=150, in_flight_limit=100, metrics=ServerMetrics())
+    with memory.request() as oversized:
+        with pytest.raises(PayloadTooLarge):
+            oversized.take_answer(151, tokens=1)
+        assert memory.held == 0
     with memory.request() as big:
-        big.take(150)
+        big.take_answer(150, tokens=1)
         with pytest.raises(AnswerMemoryFull), memory.request() as other:
             other.take(1)
         assert memory.held == 150

@@ -14,12 +14,7 @@ from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.computations import (
-    refuse_oversized,
-    supervision_answer_bytes,
-    supervision_compute,
-    weight_tensor,
-)
+from eagle3_target.server.computations import held_weight, supervision_answer_bytes, supervision_compute
 from eagle3_target.server.deps import AnswerDep, Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
@@ -85,8 +80,7 @@ async def supervision(
     logits_dtype = getattr(torch, dtype or LOGITS_DTYPES[0])
     tokens = inputs["input_ids"].numel()
     answer_bytes = supervision_answer_bytes(target, format, tokens, mapping, logits_dtype)
-    refuse_oversized(answer_bytes, state.settings.response_byte_limit, tokens)
-    answer.take(answer_bytes)
+    answer.take_answer(answer_bytes, tokens)
     job = EngineJob(
         batch_key=("supervision", format, logits_dtype, mapping.digest() if mapping else None),
         inputs=inputs,
@@ -138,7 +132,6 @@ async def weights(name: str, state: StateDep, answer: AnswerDep) -> Response:
     if name not in WEIGHT_NAMES:
         raise NotFound(f"unknown weight {name!r}; expected one of {list(WEIGHT_NAMES)}")
     target = state.require_target()  # after the name check: an unknown weight is 404 even while loading
-    weight = await run_in_threadpool(weight_tensor, target, name)
-    answer.take(weight.nbytes)
+    weight = await held_weight(target, name, answer)
     metadata = {"name": name, "fingerprint": target.info.fingerprint}
     return PayloadResponse(await run_in_threadpool(tensor_wire.encode_payload, {"weight": weight}, metadata))

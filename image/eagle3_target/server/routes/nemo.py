@@ -18,12 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from eagle3_target.contract import VocabMapping
 from eagle3_target.server.batching import EngineJob, Tensors
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.computations import (
-    nemo_answer_bytes,
-    nemo_generate_compute,
-    refuse_oversized,
-    weight_tensor,
-)
+from eagle3_target.server.computations import held_weight, nemo_answer_bytes, nemo_generate_compute
 from eagle3_target.server.deps import AnswerDep, Counted, StateDep, TargetDep
 from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
 from eagle3_target.server.settings import mapping_body_limit
@@ -89,8 +84,7 @@ async def model_info(target: TargetDep) -> dict[str, object]:
 
 @router.post("/input_embeddings", dependencies=[Counted])
 async def input_embeddings(target: TargetDep, answer: AnswerDep) -> Response:
-    weight = await run_in_threadpool(weight_tensor, target, "input_embeddings")
-    answer.take(weight.nbytes)
+    weight = await held_weight(target, "input_embeddings", answer)
     return PayloadResponse(await run_in_threadpool(nemo_wire.encode_payload, {"weight": weight}))
 
 
@@ -147,8 +141,7 @@ async def generate(request: Request, state: StateDep, target: TargetDep, answer:
     inputs = await run_in_threadpool(decode)
     tokens = inputs["input_ids"].numel()
     answer_bytes = nemo_answer_bytes(target, tokens, mapping)
-    refuse_oversized(answer_bytes, state.settings.response_byte_limit, tokens)
-    answer.take(answer_bytes)
+    answer.take_answer(answer_bytes, tokens)
     job = EngineJob(
         batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
     )
