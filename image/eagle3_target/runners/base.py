@@ -93,6 +93,22 @@ def process_lost(exc: BaseException) -> bool:
     return isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc)
 
 
+def parse_positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_max_batch_tokens(value: int | str | None) -> int | None:
+    """The server's --max-batch-tokens as a runner takes it (a script may pass a string), or None: refused
+    before anything loads, since the engine is sized by it and checked against it once loaded."""
+    try:
+        return None if value is None else parse_positive_int(str(value))
+    except ValueError as exc:
+        raise ModelRefused(f"max_batch_tokens={value!r}: {exc}") from None
+
+
 def refuse_batches_beyond_cache(max_batch_tokens: int | None, cache_tokens: int, grow: str) -> None:
     """Refuse, at load, a `max_batch_tokens` the engine's KV cache cannot hold at once: such a batch would
     fail in the engine (SGLang's "Prefill out of memory") or be split and preempted (vLLM's scheduler), after

@@ -29,6 +29,7 @@ from eagle3_target.runners.base import (
     InvalidInput,
     ModelRefused,
     check_inputs,
+    parse_max_batch_tokens,
     process_lost,
     refuse_batches_beyond_cache,
     text_config,
@@ -309,11 +310,14 @@ class SGLangRunner:
         aux_layer_ids: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         trust_remote_code: bool = False,
+        max_batch_tokens: int | str | None = None,
         **engine_kwargs: object,
     ) -> SGLangRunner:
-        """Load the model into SGLang's model runner (one per tensor-parallel rank). `engine_kwargs` are
-        SGLang server arguments (`sglang_args.server_args_for`); everything that can be refused is refused
+        """Load the model into SGLang's model runner (one per tensor-parallel rank). `max_batch_tokens` (the
+        server's) sizes the KV cache on CPU and must fit in the one SGLang allocates; `engine_kwargs` are
+        SGLang server arguments (`sglang_args.server_args_for`). Everything that can be refused is refused
         before SGLang loads, and a rank that fails to load fails the whole runner with its reason."""
+        batch_tokens = parse_max_batch_tokens(max_batch_tokens)
         path = os.fspath(model_path)
         full_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = text_config(full_config)
@@ -329,6 +333,7 @@ class SGLangRunner:
             device=resolved.type,
             aux_layer_ids=ids,
             trust_remote_code=trust_remote_code,
+            max_batch_tokens=batch_tokens,
             engine_kwargs=engine_kwargs,
         )
         if _open_runner:
@@ -342,9 +347,8 @@ class SGLangRunner:
         else:
             ranks = RankCapture(start_model_runner(server_args))
         try:
-            batch_tokens = engine_kwargs.get("max_batch_tokens")
             refuse_batches_beyond_cache(
-                None if batch_tokens is None else int(str(batch_tokens)),
+                batch_tokens,
                 ranks.pool.tokens,
                 "raise the engine argument mem_fraction_static (max_total_tokens on CPU)",
             )

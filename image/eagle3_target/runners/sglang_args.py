@@ -162,6 +162,7 @@ def server_args_for(
     device: str,
     aux_layer_ids: Sequence[int],
     trust_remote_code: bool,
+    max_batch_tokens: int | None,
     engine_kwargs: Mapping[str, object],
 ) -> Any:
     """SGLang's `ServerArgs`: the runner's flags (aux capture with the project's ids, no tokenizer, no
@@ -191,9 +192,7 @@ def server_args_for(
         if "attention_backend" not in keys:
             runner_flags += ["--attention-backend", CPU_ATTENTION_BACKEND]
         if "max_total_tokens" not in keys:
-            tokens = max(
-                int(str(options.get("max_batch_tokens") or 0)), int(str(options.get("max_model_len") or 0))
-            )
+            tokens = max(max_batch_tokens or 0, int(str(options.get("max_model_len") or 0)))
             if tokens:
                 runner_flags += ["--max-total-tokens", str(tokens + CPU_KV_HEADROOM_TOKENS)]
     namespace = _parse(runner_flags, flags)

@@ -30,11 +30,12 @@ from eagle3_target.runners.base import (
     InvalidInput,
     ModelRefused,
     check_inputs,
+    parse_max_batch_tokens,
     refuse_batches_beyond_cache,
     text_config,
 )
 from eagle3_target.runners.checkpoint import HeadWeights, load_head_weights
-from eagle3_target.runners.vllm_args import parse_positive_int, vllm_dtype_name, vllm_engine_kwargs
+from eagle3_target.runners.vllm_args import vllm_dtype_name, vllm_engine_kwargs
 from eagle3_target.runners.vllm_capture import (
     HIDDEN_STATES_CONNECTOR,
     HIDDEN_STATES_PATH_KEY,
@@ -158,10 +159,7 @@ class VLLMRunner:
         require_eagle3_support(getattr(full_config, "architectures", None) or [])
         ids = default_aux_layer_ids(config.num_hidden_layers) if aux_layer_ids is None else aux_layer_ids
         dtype_name = vllm_dtype_name(dtype)
-        try:
-            batch_tokens = None if max_batch_tokens is None else parse_positive_int(str(max_batch_tokens))
-        except ValueError as exc:
-            raise ModelRefused(f"max_batch_tokens={max_batch_tokens!r}: {exc}") from None
+        batch_tokens = parse_max_batch_tokens(max_batch_tokens)
         typed_kwargs = with_cpu_defaults(typed_kwargs, config, dtype_name, batch_tokens)
         Path(hidden_states_dir).mkdir(parents=True, exist_ok=True)
         run_dir = Path(tempfile.mkdtemp(prefix="eagle3-target-", dir=hidden_states_dir))

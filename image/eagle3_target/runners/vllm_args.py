@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from eagle3_target.runners.base import ModelRefused, parse_dtype
+from eagle3_target.runners.base import ModelRefused, parse_dtype, parse_positive_int
 
 
 def parse_bool(text: str) -> bool:
@@ -36,13 +36,6 @@ def parse_fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise ValueError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
-
-
-def parse_positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
     return value
 
 

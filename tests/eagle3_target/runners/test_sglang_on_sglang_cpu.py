@@ -162,6 +162,14 @@ def test_models_it_cannot_capture_exactly_are_refused_before_loading(
         SGLangRunner.from_pretrained(model, dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize(
+    ("budget", "why"), [("many", "invalid literal for int"), ("0", "expected a positive")]
+)
+def test_a_batch_budget_that_is_no_positive_integer_is_refused_before_loading(tiny_llama_dir, budget, why):
+    with pytest.raises(ModelRefused, match=rf"max_batch_tokens='{budget}': {why}"):
+        SGLangRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", max_batch_tokens=budget)
+
+
 def test_the_sgl_kernel_stand_in_refuses_every_call_and_lives_only_here():
     assert sgl_kernel.STAND_IN and len(sgl_kernel.NAMES) == 8
     for name in sgl_kernel.NAMES:
