@@ -88,7 +88,6 @@ class TargetClient:
         self._wait = wait
         self._refresh_interval_s = refresh_interval_s
         self._last_refresh = time.monotonic()
-        self._refreshes = 0  # refreshes done, so a thread that waited for another's knows it happened
         self._refresh_problem: str | None = None  # why the last refresh found no serving target
         self._refresh_lock = threading.Lock()  # one thread re-reads the resource (and waits), not each
         self._lock = threading.RLock()
@@ -342,10 +341,10 @@ class TargetClient:
         with self._lock:
             if not (force or entered - self._last_refresh >= self._refresh_interval_s):
                 return 0.0
-            seen = self._refreshes
+            seen = self._last_refresh  # moves on every refresh: a thread that waited for another's sees it
         with self._refresh_lock:
             with self._lock:
-                if self._refreshes != seen:  # another thread refreshed (and waited) meanwhile
+                if self._last_refresh != seen:  # another thread refreshed (and waited) meanwhile
                     return time.monotonic() - entered if self._refresh_problem is None else 0.0
             try:
                 target = self._refresh(self._wait if force else 0.0)
@@ -363,7 +362,6 @@ class TargetClient:
     def _note_refresh(self, problem: str | None) -> None:
         with self._lock:
             self._last_refresh = time.monotonic()
-            self._refreshes += 1
             self._refresh_problem = problem
 
 
