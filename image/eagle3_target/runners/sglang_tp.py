@@ -127,6 +127,10 @@ class RanksEnded(RuntimeError):
     has been ended."""
 
 
+class RanksRefused(RuntimeError):
+    """Every rank failed the command, each in its own process: they are still in step and run the next."""
+
+
 class RankProcesses:
     """The runner's `Ranks` for tensor parallelism: one worker process per rank, driven over pipes."""
 
@@ -189,8 +193,10 @@ class RankProcesses:
 
     def _call(self, command: str, *args: Any) -> list[Any]:
         """Run `command` on every rank in lockstep: each rank's result (only rank 0 sends its forwards').
-        A command that every rank answered, with an error or not, leaves them running; a rank that died,
-        or did not answer after another failed, ends them all (`RanksEnded`)."""
+        A command that every rank refused leaves them running (`RanksRefused`); a rank that died, or did not
+        answer after another failed, ends them all (`RanksEnded`), as does anything else that stops the call
+        midway (an interrupt, an argument that does not pickle): a rank may have been left holding the
+        command, or its reply, so the next call would read a stale one."""
         if not self._ranks:
             raise RanksEnded(
                 f"SGLang's tensor-parallel ranks have ended: {self._failure or 'the runner is closed'}"
@@ -206,8 +212,14 @@ class RankProcesses:
                         f"{rank.process.exitcode}"
                     ) from None
             results = _collect(self._ranks, command)
-        except RanksEnded as exc:
-            self._failure = str(exc)
+        except RanksRefused:
+            raise
+        except BaseException as exc:
+            self._failure = (
+                str(exc)
+                if isinstance(exc, RanksEnded)
+                else f"{command} stopped by {type(exc).__name__}: {exc}"
+            )
             self._end()
             raise
         return [None if result is None else torch.load(io.BytesIO(result)) for result in results]
@@ -244,10 +256,11 @@ class RankProcesses:
 
 
 def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> list[Any]:
-    """Each rank's reply to `command`, waiting until all have replied. The lowest rank's error is raised
-    once every rank has answered, whichever answered first (ModelRefused at start, RuntimeError after);
-    `RanksEnded` when a rank died or lost its device, or did not answer within `STEP_SKEW_TIMEOUT_S` of
-    another's error, or all of them did not within `timeout`."""
+    """Each rank's reply to `command`, waiting until all have replied. At start the first error is raised
+    at once (ModelRefused: the other ranks wait for the failed one at the rendezvous); after, the lowest
+    rank's error once every rank has answered, whichever answered first (`RanksRefused`). `RanksEnded` when
+    a rank died or lost its device, or did not answer within `STEP_SKEW_TIMEOUT_S` of another's error, or
+    all of them did not within `timeout`."""
     replies: dict[int, Any] = {}
     errors: dict[int, str] = {}
     lost = False
@@ -288,7 +301,7 @@ def _collect(ranks: list[_Rank], command: str, timeout: float | None = None) -> 
             replies[r] = value
     if errors:
         first = errors[min(errors)]
-        raise RanksEnded(first) if lost else RuntimeError(first)
+        raise RanksEnded(first) if lost else RanksRefused(first)
     return [replies[r] for r in range(len(ranks))]
 
 

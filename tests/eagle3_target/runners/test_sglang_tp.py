@@ -7,6 +7,7 @@ its device or fail on one rank only), so these run without SGLang.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 from eagle3_target.runners import sglang_tp
-from eagle3_target.runners.sglang_tp import RankProcesses, RanksEnded
+from eagle3_target.runners.sglang_tp import RankProcesses, RanksEnded, RanksRefused
 
 from support.cluster.waiting import eventually, free_port
 from support.sglang_rank_faults import faults
@@ -55,7 +56,7 @@ def test_a_batch_every_rank_refuses_fails_alone_and_the_ranks_run_the_next(ranks
     assert_serves(ranks)
     for _ in range(2):
         with pytest.raises(
-            RuntimeError, match=r"rank 0 failed \(extend\): RuntimeError: Prefill out of memory"
+            RanksRefused, match=r"rank 0 failed \(extend\): RuntimeError: Prefill out of memory"
         ):
             ranks.extend([[1, faults.REFUSED_BY_EVERY_RANK]], False)
         assert_serves(ranks)
@@ -76,6 +77,29 @@ def test_a_rank_that_fails_alone_leaves_the_ranks_out_of_step_and_ends_them(rank
         ranks.extend([[faults.FAILED_BY_RANK_1]], False)
     assert "out of step" in (ranks.failure or "")
     with pytest.raises(RanksEnded, match="ranks have ended"):
+        ranks.extend(GOOD, False)
+
+
+class PicklesOnce:
+    """A token that reaches rank 0 only: pickling it for rank 1 fails, so rank 0 runs a batch rank 1 never
+    gets, and rank 0's reply waits in its pipe."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __reduce__(self):
+        self.sent += 1
+        if self.sent > 1:
+            raise pickle.PicklingError("pickled for rank 0 only")
+        return (int, (1,))
+
+
+def test_a_call_stopped_midway_ends_every_rank_rather_than_leave_a_stale_reply(started, ranks):
+    with pytest.raises(pickle.PicklingError, match="rank 0 only"):
+        ranks.extend([[2, PicklesOnce()]], False)
+    assert ranks.failure == "extend stopped by PicklingError: pickled for rank 0 only"
+    assert not [p for p in started.processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    with pytest.raises(RanksEnded, match="ranks have ended: extend stopped by PicklingError"):
         ranks.extend(GOOD, False)
 
 
