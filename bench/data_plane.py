@@ -40,7 +40,7 @@ import torch
 from eagle3_target.server.streaming import CHUNK_BYTES
 
 from support.cluster.waiting import LOOPBACK, free_port
-from support.server_process import ServerProcess, launch
+from support.server_process import ServerProcess, connect, launch
 
 SHAPES = {"8b": 4096, "70b": 8192}
 
@@ -157,14 +157,13 @@ def _request_body(batch: int, seq: int) -> bytes:
 
 def raw_client_gbps(url: str, body: bytes, reps: int) -> float:
     """One keep-alive connection, plain sockets: the request out, the body into one reused buffer."""
-    host, port = url.removeprefix("http://").split(":")
     head = (
-        f"POST /v1/supervision?format=hidden HTTP/1.1\r\nHost: {host}\r\n"
+        f"POST /v1/supervision?format=hidden HTTP/1.1\r\nHost: {LOOPBACK}\r\n"
         f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
     buffer = bytearray()
     best = 0.0
-    with socket.create_connection((host, int(port))) as sock:
+    with connect(url, timeout=None) as sock:
         stream = sock.makefile("rb")
         for _ in range(reps + 1):  # the first one warms up
             started = time.perf_counter()

@@ -18,13 +18,14 @@ from collections.abc import Callable
 
 import safetensors.torch
 import torch
-from eagle3_target import formats
 from eagle3_target.contract import VocabMapping
-from eagle3_target.formats import TokenSizes, supervision
+from eagle3_target.formats import supervision
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo, tensors
+
+from support.supervision import bytes_per_token
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -35,12 +36,6 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def bytes_per_token(fmt: str, *, hidden: int, vocab: int, draft_vocab: int, itemsize: int) -> int:
-    """Payload bytes per token of each format (aux is 3 layers in the model dtype, fp32 logits; no header)."""
-    sizes = TokenSizes(hidden, vocab, draft_vocab, model_itemsize=itemsize, logits_itemsize=4)
-    return formats.bytes_per_token(fmt, sizes)
 
 
 def codec_throughput(mib: int, repeats: int) -> dict[str, float]:

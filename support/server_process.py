@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -33,6 +35,12 @@ def status_code(url: str, headers: dict[str, str] | None = None, timeout: float 
         return httpx.get(url, headers=headers, timeout=timeout).status_code
     except httpx.TransportError:
         return None
+
+
+def connect(url: str, timeout: float | None = 30) -> socket.socket:
+    """A raw connection to the server at `url`, for what an HTTP client library would not send or read."""
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=timeout)
 
 
 def serve_command() -> list[str]:

@@ -3,17 +3,22 @@ answers must equal, and checks on its HTTP answers. Shared by the server, client
 
 from __future__ import annotations
 
+import socket
 from typing import NamedTuple
 
 import httpx
 import torch
 from eagle3_target import formats
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
+from eagle3_target.formats import TokenSizes
 from eagle3_target.protocol import FORMATS
 from eagle3_target.runners import TargetRunner
 from eagle3_target.wire import tensors as tensor_wire
 from prometheus_client.parser import text_string_to_metric_families
 from torch import Tensor
+
+from support.cluster.waiting import LOOPBACK
+from support.server_process import connect
 
 VOCAB = 256
 
@@ -48,6 +53,36 @@ def token_batch(seed: int, batch: int = 2, seq: int = 16, pad_last: int = 0) -> 
 def draft_mapping(draft_vocab: int, seed: int) -> VocabMapping:
     g = torch.Generator().manual_seed(seed)
     return VocabMapping.from_selected_ids(torch.randperm(VOCAB, generator=g)[:draft_vocab], VOCAB)
+
+
+def bytes_per_token(fmt: str, *, hidden: int, vocab: int, draft_vocab: int = 0, itemsize: int = 4) -> int:
+    """Data bytes per token of a `fmt` answer (aux is 3 layers in the model's `itemsize`, logits fp32)."""
+    sizes = TokenSizes(hidden, vocab, draft_vocab, model_itemsize=itemsize, logits_itemsize=4)
+    return formats.bytes_per_token(fmt, sizes)
+
+
+def logits_request(input_ids: Tensor) -> bytes:
+    """A whole `logits` supervision request for `input_ids`, as raw bytes for a raw socket."""
+    body = tensor_wire.encode({"input_ids": input_ids})
+    head = (
+        f"POST /v1/supervision?format=logits HTTP/1.1\r\nHost: {LOOPBACK}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def stalled_reader(url: str, input_ids: Tensor) -> socket.socket:
+    """A client that sends a `logits` request for `input_ids` and never reads the answer (its receive
+    buffer kept small, so the answer stalls in the server)."""
+    sock = connect(url)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(logits_request(input_ids))
+    return sock
+
+
+def in_flight(url: str) -> int:
+    """The data requests the server counts as in flight (what tells the operator the target is in use)."""
+    return int(httpx.get(url + "/readyz").json()["activity"]["inFlight"])
 
 
 def put_mapping(client: httpx.Client, url: str, mapping_id: str, mapping: VocabMapping) -> httpx.Response:

@@ -4,7 +4,6 @@ spent on a declared body before its bytes arrive."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from eagle3_target.wire import tensors as tensor_wire
 from starlette.requests import Request
 from starlette.types import Message
 
-from support.cluster.waiting import LOOPBACK, eventually
-from support.server_process import ServerProcess, start_server
+from support.cluster.waiting import eventually
+from support.server_process import ServerProcess, connect, start_server
 from support.supervision import metric_samples
 
 SILENT = 50
@@ -99,7 +98,7 @@ def test_connections_that_declare_large_bodies_and_send_none_cost_no_memory(room
     limit = ServerSettings(model="unused", max_batch_tokens=ROOMY_BATCH_TOKENS).token_body_limit
     head = f"POST /v1/supervision HTTP/1.1\r\nHost: x\r\nContent-Length: {limit}\r\n\r\n".encode()
     before = roomy_server.memory_mib()["VmRSS"]
-    silent = [socket.create_connection((LOOPBACK, int(url.rsplit(":", 1)[1]))) for _ in range(SILENT)]
+    silent = [connect(url) for _ in range(SILENT)]
     try:
         for sock in silent:
             sock.sendall(head)

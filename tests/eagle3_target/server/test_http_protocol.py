@@ -27,7 +27,7 @@ from eagle3_target.server.http_protocol import (
 )
 
 from support.cluster.waiting import LOOPBACK, eventually, free_port
-from support.server_process import ServerProcess, serve_command, start_server
+from support.server_process import ServerProcess, connect, serve_command, start_server
 from support.supervision import assert_error, assert_still_serving, metric_samples
 
 HEADER_TIMEOUT = 1.0
@@ -73,11 +73,6 @@ def capped_server(
     )  # fmt: skip
     yield proc
     proc.stop()
-
-
-def connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=30)
 
 
 def half_sent(url: str) -> socket.socket:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import socket
 import struct
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from eagle3_target.server.app import create_app
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 
-from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, serve_in_thread
+from support.server_process import MAX_BATCH_TOKENS, MAX_MODEL_LEN, connect, serve_in_thread
 from support.supervision import VOCAB, assert_error, assert_still_serving, draft_mapping, put_mapping
 
 TOKEN_BODY_LIMIT = ServerSettings(model="unused", max_batch_tokens=MAX_BATCH_TOKENS).token_body_limit
@@ -108,8 +107,7 @@ def test_streamed_oversize_body_is_cut_off(server):
 
 def raw_exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """Send bytes no HTTP client library would send; read the answer until the server closes."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
+    with connect(url) as sock:
         sock.sendall(request)
         received = b""
         while chunk := sock.recv(65536):

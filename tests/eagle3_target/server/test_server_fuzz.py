@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import struct
 
 import httpx
@@ -12,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.cluster.waiting import eventually
+from support.server_process import connect
 from support.supervision import assert_still_serving, metric_samples
 
 NEMO_MAGIC = struct.pack("<I", 0x4E4D4554)
@@ -47,11 +47,6 @@ def test_random_bodies_get_a_json_4xx(server, route, body):
     response = httpx.request(method, server.url + path, content=body)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     assert set(response.json()["error"]) == {"type", "message"}
-
-
-def connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=30)
 
 
 def requests_counted(url: str, route: str, code: str) -> float:

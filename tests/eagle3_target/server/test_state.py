@@ -4,7 +4,6 @@ of a client that left while it waited dropped before the engine runs it."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from starlette.types import Message
 
 from support.cluster.waiting import eventually
 from support.engine_jobs import Blocker
-from support.server_process import serve_in_thread
+from support.server_process import connect, serve_in_thread
 from support.supervision import metric_samples
 
 
@@ -92,8 +91,7 @@ def test_the_queued_job_of_a_client_that_left_is_never_computed(in_process):
     state.worker.submit(blocker.job)
     try:
         assert blocker.running.wait(timeout=30)
-        host, port = url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:
+        with connect(url) as sock:
             sock.sendall(
                 f"POST /v1/supervision HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                 + body

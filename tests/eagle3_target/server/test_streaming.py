@@ -5,7 +5,6 @@ nobody reads: aborted after the send timeout with their memory freed, and capped
 from __future__ import annotations
 
 import json
-import socket
 import struct
 import time
 from collections.abc import Iterator
@@ -24,13 +23,24 @@ from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo as nemo_wire
 from eagle3_target.wire import tensors as tensor_wire
 
-from support.cluster.waiting import LOOPBACK, eventually
-from support.server_process import ServerProcess, start_server
-from support.supervision import assert_error, assert_still_serving, draft_mapping, metric_samples, put_mapping
+from support.cluster.waiting import eventually
+from support.server_process import ServerProcess, connect, start_server
+from support.supervision import (
+    assert_error,
+    assert_still_serving,
+    bytes_per_token,
+    draft_mapping,
+    in_flight,
+    logits_request,
+    metric_samples,
+    put_mapping,
+    stalled_reader,
+)
 
 # A wide vocabulary makes `logits` answers large: 16384 fp32 logits + 3 x 64 fp32 aux = 66,304 bytes/token.
 WIDE_VOCAB = 16384
-BYTES_PER_TOKEN = WIDE_VOCAB * 4 + 3 * 64 * 4
+HIDDEN = 64
+BYTES_PER_TOKEN = bytes_per_token("logits", hidden=HIDDEN, vocab=WIDE_VOCAB)
 MAX_RESPONSE_BYTES = 40_000_000
 FITS = 512  # tokens: a 34 MB answer
 TOO_BIG = 1024  # tokens: 68 MB
@@ -44,7 +54,7 @@ IN_FLIGHT_CAP = int((STALLED + 0.5) * STALLED_TOKENS * BYTES_PER_TOKEN)
 @pytest.fixture(scope="module")
 def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("wide")
-    model = write_tiny_model(directory / "model", vocab_size=WIDE_VOCAB)
+    model = write_tiny_model(directory / "model", hidden_size=HIDDEN, vocab_size=WIDE_VOCAB)
     server = start_server(
         directory,
         [
@@ -65,30 +75,8 @@ def ids(tokens: int, rows: int = 1) -> torch.Tensor:
     )
 
 
-def logits_request(tokens: int) -> bytes:
-    body = tensor_wire.encode({"input_ids": ids(tokens)})
-    head = (
-        f"POST /v1/supervision?format=logits HTTP/1.1\r\nHost: {LOOPBACK}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def stalled_reader(url: str, tokens: int) -> socket.socket:
-    """A client that sends a `logits` request for `tokens` tokens and never reads the answer."""
-    sock = socket.create_connection((LOOPBACK, int(url.rsplit(":", 1)[1])))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(logits_request(tokens))
-    return sock
-
-
 def gauge(url: str, name: str) -> float:
     return metric_samples(url)[(name, ())]
-
-
-def in_flight(url: str) -> int:
-    """The data requests the server counts as in flight (what tells the operator the target is in use)."""
-    return int(httpx.get(url + "/readyz").json()["activity"]["inFlight"])
 
 
 def parts_of(body: bytes) -> tuple[int, dict, bytes]:
@@ -178,12 +166,7 @@ def test_nemo_generate_over_the_cap_is_413(wide_server):
 
 def test_probes_answer_while_large_answers_wait_for_readers_that_do_not_read(wide_server):
     url = wide_server.url
-    stalled = []
-    for _ in range(3):
-        sock = socket.create_connection((LOOPBACK, int(url.rsplit(":", 1)[1])))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(logits_request(FITS))
-        stalled.append(sock)
+    stalled = [stalled_reader(url, ids(FITS)) for _ in range(3)]
     try:
         time.sleep(2)  # the answers are computed and stuck in flow control now
         for path in ("/readyz", "/healthz", "/metrics", "/v1/info"):
@@ -230,7 +213,7 @@ def test_answers_nobody_reads_are_aborted_after_the_send_timeout_and_their_memor
     computed = gauge(url, "eagle3_batch_tokens_sum")
     aborted = gauge(url, "eagle3_send_timeouts_total")
     before = wide_server.memory_mib()["VmRSS"]
-    stalled = [stalled_reader(url, STALLED_TOKENS) for _ in range(STALLED)]
+    stalled = [stalled_reader(url, ids(STALLED_TOKENS)) for _ in range(STALLED)]
     try:
         eventually(
             lambda: gauge(url, "eagle3_batch_tokens_sum") == computed + STALLED * STALLED_TOKENS,
@@ -261,8 +244,8 @@ def test_a_reader_that_pauses_shorter_than_the_send_timeout_gets_its_whole_answe
     cut off, however long the whole answer takes."""
     size = STALLED_TOKENS * BYTES_PER_TOKEN
     received = bytearray()
-    with socket.create_connection((LOOPBACK, int(wide_server.url.rsplit(":", 1)[1])), timeout=30) as sock:
-        sock.sendall(logits_request(STALLED_TOKENS))
+    with connect(wide_server.url) as sock:
+        sock.sendall(logits_request(ids(STALLED_TOKENS)))
         for step in range(1, 5):  # 9 s of pauses in all: three times the timeout
             time.sleep(SEND_TIMEOUT * 3 / 4)
             while len(received) < size * step // 4:
@@ -283,7 +266,7 @@ def test_answers_beyond_the_bytes_in_flight_get_503_until_the_held_ones_go(wide_
     url = wide_server.url
     refused = gauge(url, "eagle3_answer_memory_refusals_total")
     computed = gauge(url, "eagle3_batch_tokens_sum")
-    stalled = [stalled_reader(url, STALLED_TOKENS) for _ in range(STALLED)]
+    stalled = [stalled_reader(url, ids(STALLED_TOKENS)) for _ in range(STALLED)]
     try:
         eventually(
             lambda: gauge(url, "eagle3_batch_tokens_sum") == computed + STALLED * STALLED_TOKENS,
