@@ -118,6 +118,10 @@ class Targets:
         )
         return cast(dict[str, Any] | None, body)
 
+    def status(self, name: str) -> dict[str, Any]:
+        """The target's status: empty before the operator's first write, or once the target is gone."""
+        return cast(dict[str, Any], (self.get(name) or {}).get("status") or {})
+
     def patch_spec(self, name: str, spec: dict[str, Any]) -> int:
         """Merge-patch the spec; returns the new metadata.generation."""
         body = self.custom.patch_namespaced_custom_object(

@@ -41,14 +41,12 @@ def operator(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[OperatorProcess]:
-    """This module's operator; it probes every second unless the module sets REPROBE_SECONDS (None: the
-    operator's own default)."""
-    reprobe = getattr(request.module, "REPROBE_SECONDS", 1.0)
+    """This module's operator; it probes at OperatorProcess's pace unless the module sets REPROBE_SECONDS
+    (None: the operator's own default)."""
+    module = request.module
+    pace = {"reprobe_seconds": module.REPROBE_SECONDS} if hasattr(module, "REPROBE_SECONDS") else {}
     process = OperatorProcess(
-        cluster.kubeconfig,
-        tmp_path_factory.mktemp("operator"),
-        [f"{namespace_prefix}*"],
-        reprobe_seconds=reprobe,
+        cluster.kubeconfig, tmp_path_factory.mktemp("operator"), [f"{namespace_prefix}*"], **pace
     )
     process.start()
     try:

@@ -32,7 +32,7 @@ TOUCHED = {
 
 
 def reason(targets: Targets, name: str, wanted: str, kind: str = "Ready") -> dict | None:
-    status = (targets.get(name) or {}).get("status") or {}
+    status = targets.status(name)
     return status if condition(status, kind).get("reason") == wanted else None
 
 
@@ -286,7 +286,7 @@ def test_scale_up_keeps_the_target_available_and_restarts_no_pod(targets: Target
     generation = targets.patch_spec("wide", {"replicas": 3})
 
     def two_serving() -> dict | None:
-        status = (targets.get("wide") or {}).get("status") or {}
+        status = targets.status("wide")
         fresh = condition(status, "Available").get("observedGeneration") == generation
         return status if fresh and status.get("readyReplicas") == 2 else None
 

@@ -53,7 +53,7 @@ def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: T
     targets.create(target_manifest("told", free_port()))
 
     def settled() -> dict | None:  # the pod is Ready but nothing answers at its IP: a stable failure
-        status = (targets.get("told") or {}).get("status") or {}
+        status = targets.status("told")
         return status if condition(status, "Ready").get("reason") == "EndpointUnreachable" else None
 
     honest = eventually(settled, "the unserved target reported EndpointUnreachable")
@@ -71,7 +71,7 @@ def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
     targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
 
     def unschedulable() -> dict | None:
-        status = (targets.get("huge") or {}).get("status") or {}
+        status = targets.status("huge")
         return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
     status = eventually(unschedulable, "Unschedulable in the Ready condition")
@@ -90,7 +90,7 @@ def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: T
     targets.create(target_manifest("odd", free_port(), nodeSelector={"not a label key!": "x"}))
 
     def rejected() -> dict | None:
-        status = (targets.get("odd") or {}).get("status") or {}
+        status = targets.status("odd")
         return status if condition(status, "Ready").get("reason") == "InvalidSpec" else None
 
     status = eventually(rejected, "the rejection reported in status")

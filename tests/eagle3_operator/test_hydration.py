@@ -82,7 +82,7 @@ def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targ
     # The claim does not exist yet, so the download cannot start: no server pod is asked for meanwhile,
     # and the target says why.
     def stuck() -> dict | None:
-        status = (targets.get("hydrated") or {}).get("status") or {}
+        status = targets.status("hydrated")
         return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
     status = eventually(stuck, "the unschedulable download reported")
@@ -131,7 +131,7 @@ def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets
     )
 
     def failed() -> dict | None:
-        status = (targets.get("gated") or {}).get("status") or {}
+        status = targets.status("gated")
         return status if condition(status, "Ready").get("reason") == "ModelDownloadFailed" else None
 
     status = eventually(failed, "the failed download reported")
@@ -164,7 +164,7 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
         )
 
         def held() -> dict | None:  # cache-b does not exist yet: its download cannot run
-            status = (targets.get("moving") or {}).get("status") or {}
+            status = targets.status("moving")
             return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
 
         eventually(held, "the new download reported stuck")
@@ -250,7 +250,7 @@ def test_a_running_downloads_progress_moves_in_status(targets: Targets, kubelet_
 
             def shown() -> tuple[dict, int] | None:
                 """The status and the files done it shows, when it shows what the endpoint answered."""
-                status = (targets.get("progress") or {}).get("status") or {}
+                status = targets.status("progress")
                 message = condition(status, "Ready").get("message", "")
                 done = [n for n in set(answered) if f": {n}/40 files" in message]
                 return (status, done[0]) if done else None

@@ -35,10 +35,6 @@ TRAINERS = ("trainer-a/11-aa", "trainer-b/22-bb")
 START_SECONDS = 120  # a tiny model's server start on a loaded two-core machine, with room
 
 
-def status_of(targets: Targets, name: str) -> dict[str, Any]:
-    return (targets.get(name) or {}).get("status") or {}
-
-
 def pull(url: str, client: str) -> None:
     ids, mask, _ = token_batch(seed=5, batch=1, seq=8)
     with httpx.Client(headers={CLIENT_HEADER: client}, timeout=60) as session:
@@ -53,7 +49,7 @@ def idle_since(status: dict[str, Any]) -> float | None:
 def assert_scaled_to_zero(targets: Targets, kubelet: Kubelet, name: str) -> dict[str, Any]:
     """Idle as users see it: Ready and Available False with reason Idle, the Deployment and its pods gone to
     zero while spec.replicas stays, an event, and `kubectl get`'s columns."""
-    status = status_of(targets, name)
+    status = targets.status(name)
     for kind in ("Ready", "Available"):
         assert (condition(status, kind)["status"], condition(status, kind)["reason"]) == ("False", "Idle")
     assert "resolve() wakes it" in condition(status, "Ready")["message"]
@@ -84,12 +80,12 @@ def test_trainers_keep_a_target_serving_and_it_idles_a_window_after_the_last_req
         for trainer in TRAINERS:
             pull(url, trainer)
         last_request = time.time()
-        assert condition(status_of(targets, "sleepy"), "Ready")["status"] == "True"
+        assert condition(targets.status("sleepy"), "Ready")["status"] == "True"
         if time.monotonic() > pulling_until:
             break
         time.sleep(2)
     consumers = eventually(
-        lambda: (c := status_of(targets, "sleepy").get("consumers") or {}).get("active") == 2 and c,
+        lambda: (c := targets.status("sleepy").get("consumers") or {}).get("active") == 2 and c,
         "two consumers in status",
     )
     assert consumers["clients"] == sorted(TRAINERS) and consumers["windowSeconds"] == 600
@@ -105,7 +101,7 @@ def test_trainers_keep_a_target_serving_and_it_idles_a_window_after_the_last_req
     operator.kill()
     restarted = time.time()
     operator.start()
-    while (since := idle_since(status_of(targets, "sleepy"))) is None:
+    while (since := idle_since(targets.status("sleepy"))) is None:
         assert time.time() < last_request + WINDOW + 30, "not idle half a minute after its window"
         time.sleep(0.5)
     assert last_request + WINDOW - 1 <= since < restarted + WINDOW - 1, (last_request, restarted, since)
@@ -124,7 +120,7 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
     namespace = targets.namespace
     targets.create(kubelet_target_manifest("napper", tiny_llama_dir, idle={"scaleToZeroAfter": "5s"}))
     # Nobody pulls: idle 5 s after it became Available.
-    eventually(lambda: idle_since(status_of(targets, "napper")), "napper idle", timeout=START_SECONDS + 30)
+    eventually(lambda: idle_since(targets.status("napper")), "napper idle", timeout=START_SECONDS + 30)
     assert_scaled_to_zero(targets, kubelet, "napper")
 
     with pytest.raises(ResolveTimeout, match="reason='Idle'"):
@@ -136,7 +132,7 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
     needs_patch = re.escape("waking it needs `patch` on eagle3targets.eagle3.dev")
     with pytest.raises(TargetAccessForbidden, match=needs_patch):
         resolve("napper", namespace, wait=3, kubeconfig=str(reader))
-    assert status_of(targets, "napper").get("idle")
+    assert targets.status("napper").get("idle")
 
     began = time.monotonic()
     woken = resolve("napper", namespace, wait=START_SECONDS, kubeconfig=str(cluster.kubeconfig))
@@ -144,7 +140,7 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
     print(json.dumps({"wake_seconds": round(wake_seconds, 1)}))  # the issue's figure: resolve to endpoints
     assert woken.endpoints
     pull(woken.endpoints[0], "trainer-c/33-cc")
-    status = status_of(targets, "napper")
+    status = targets.status("napper")
     assert "idle" not in status and condition(status, "Available")["status"] == "True"
     assert [e.reason for e in targets.events("napper") if e.reason == "Idle"] == ["Idle"]
     assert operator.metric_total("eagle3_operator_wake_ups_total") == 1
@@ -203,7 +199,7 @@ def test_a_client_pulling_more_often_than_the_window_is_never_cut_off(
                 cut_off.append(f"{name}: {error!r} {time.time() - last_pull[name]:.1f}s after the last pull")
                 return
             last_pull[name] = time.time()
-            if status_of(targets, name).get("idle"):
+            if targets.status(name).get("idle"):
                 cut_off.append(f"{name} went idle while pulled from every {interval}s")
                 return
             time.sleep(interval)
@@ -215,6 +211,6 @@ def test_a_client_pulling_more_often_than_the_window_is_never_cut_off(
         trainer.join()
     assert not cut_off, cut_off
     for name, (window, _) in cadences.items():
-        since = eventually(lambda n=name: idle_since(status_of(targets, n)), f"{name} idle", timeout=60)
+        since = eventually(lambda n=name: idle_since(targets.status(n)), f"{name} idle", timeout=60)
         # status keeps whole seconds; the pass that decides runs a moment after the deadline
         assert last_pull[name] + window - 1 <= since <= last_pull[name] + window + PROBE_PERIOD + 1, name

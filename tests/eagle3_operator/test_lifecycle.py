@@ -50,7 +50,7 @@ def test_lifecycle_ready_scale_rollout_suspend(
 
     # The kwok pod is Ready, but nothing answers at its IP yet: not a ready endpoint, target not Ready.
     def unserved_endpoint() -> dict | None:
-        status = (targets.get("llama") or {}).get("status") or {}
+        status = targets.status("llama")
         endpoints = status.get("endpoints") or []
         return status if endpoints and not endpoints[0]["ready"] else None
 
@@ -120,7 +120,7 @@ def test_lifecycle_ready_scale_rollout_suspend(
     generation = targets.patch_spec("llama", {"suspend": True})
 
     def suspended() -> dict | None:
-        status = (targets.get("llama") or {}).get("status") or {}
+        status = targets.status("llama")
         progressing = condition(status, "Progressing")
         done = status.get("phase") == "Suspended" and progressing.get("reason") == "Suspended"
         return status if done and status.get("observedGeneration") == generation else None
@@ -167,9 +167,7 @@ def test_operator_restart_mid_rollout_converges_and_delete_never_waits(
     targets.create(target_manifest("phoenix", port, replicas=2))
     targets.create(target_manifest("doomed", free_port()))
     eventually(lambda: targets.ready_status("phoenix", replicas=2), "Ready before the restart")
-    eventually(
-        lambda: ((targets.get("doomed") or {}).get("status") or {}).get("phase"), "the other target handled"
-    )
+    eventually(lambda: targets.status("doomed").get("phase"), "the other target handled")
     metadata = targets.get("phoenix")["metadata"]
     assert not metadata.get("finalizers")
     assert not [key for key in metadata.get("annotations") or {} if "kopf" in key or "eagle3.dev" in key]
@@ -256,7 +254,7 @@ def test_external_endpoint_is_probed_and_published(targets: Targets, servers: Se
     generation = targets.patch_spec("remote", {"endpoint": {"url": dead}})
 
     def unreachable() -> dict | None:
-        status = (targets.get("remote") or {}).get("status") or {}
+        status = targets.status("remote")
         degraded = condition(status, "Degraded")
         fresh = status.get("observedGeneration") == generation
         return status if fresh and degraded.get("reason") == "EndpointUnreachable" else None
@@ -306,7 +304,7 @@ def test_a_restarted_external_server_replaces_the_model_in_status_whole(
 
 
 def model_of(targets: Targets, name: str) -> dict[str, Any]:
-    return ((targets.get(name) or {}).get("status") or {}).get("model") or {}
+    return targets.status(name).get("model") or {}
 
 
 def test_a_hundred_trickling_external_endpoints_leave_a_new_target_ready_at_once(
