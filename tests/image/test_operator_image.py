@@ -77,7 +77,7 @@ def test_the_image_reconciles_a_target_and_answers_its_probes(
             eventually(lambda: targets.deployment("boxed") is not None, "the target's Deployment")
 
             def observed() -> bool:
-                status = (targets.get("boxed") or {}).get("status") or {}
+                status = targets.status("boxed")
                 return status.get("observedGeneration") == 1 and bool(status.get("conditions"))
 
             eventually(observed, "the target's status written by the operator in the image", timeout=60)
