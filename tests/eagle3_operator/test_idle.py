@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -181,22 +181,21 @@ def test_a_client_pulling_more_often_than_the_window_is_never_cut_off(
     cadences = {"slow-30": (30, 20), "busy-30": (30, 3), "busy-8": (8, 3)}  # name: (window, pull interval)
     for name, (window, _) in cadences.items():
         targets.create(kubelet_target_manifest(name, tiny_llama_dir, idle={"scaleToZeroAfter": f"{window}s"}))
-    urls = {
-        name: eventually(lambda n=name: targets.ready_status(n), f"{name} Ready", timeout=START_SECONDS)[
-            "endpoints"
-        ][0]["address"]
-        for name in cadences
-    }
     last_pull: dict[str, float] = {}
     cut_off: list[str] = []
-    until = time.monotonic() + 75
 
     def train(name: str, interval: float) -> None:
+        """A trainer that starts when its target serves, as a job resolving it would: waiting for the other
+        targets first would leave an 8 s window unpulled while they load."""
+        status = eventually(lambda: targets.ready_status(name), f"{name} Ready", timeout=START_SECONDS)
+        url = status["endpoints"][0]["address"]
+        until = time.monotonic() + 75
         while time.monotonic() < until:
             try:
-                pull(urls[name], f"trainer-{name}/1-aa")
+                pull(url, f"trainer-{name}/1-aa")
             except httpx.HTTPError as error:
-                cut_off.append(f"{name}: {error!r} {time.time() - last_pull[name]:.1f}s after the last pull")
+                since = time.time() - last_pull.get(name, time.time())
+                cut_off.append(f"{name}: {error!r} {since:.1f}s after the last pull")
                 return
             last_pull[name] = time.time()
             if targets.status(name).get("idle"):
@@ -204,11 +203,9 @@ def test_a_client_pulling_more_often_than_the_window_is_never_cut_off(
                 return
             time.sleep(interval)
 
-    trainers = [threading.Thread(target=train, args=(n, gap)) for n, (_, gap) in cadences.items()]
-    for trainer in trainers:
-        trainer.start()
-    for trainer in trainers:
-        trainer.join()
+    with ThreadPoolExecutor(len(cadences)) as pool:
+        for trained in [pool.submit(train, n, gap) for n, (_, gap) in cadences.items()]:
+            trained.result()
     assert not cut_off, cut_off
     for name, (window, _) in cadences.items():
         since = eventually(lambda n=name: idle_since(targets.status(n)), f"{name} idle", timeout=60)
