@@ -54,8 +54,11 @@ def assert_scaled_to_zero(targets: Targets, kubelet: Kubelet, name: str) -> dict
         assert (condition(status, kind)["status"], condition(status, kind)["reason"]) == ("False", "Idle")
     assert "resolve() wakes it" in condition(status, "Ready")["message"]
     assert targets.get(name)["spec"]["replicas"] == 1
-    deployment = targets.deployment(name)
-    assert deployment is not None and deployment.spec.replicas == 0
+    # status.idle is stored a pass before the Deployment goes to zero (resolve() never hands out going pods)
+    eventually(
+        lambda: (deployment := targets.deployment(name)) is not None and deployment.spec.replicas == 0,
+        "the Deployment at zero replicas",
+    )
     eventually(lambda: not targets.pods(name), "the idle target's pods gone")
     eventually(
         lambda: all(c.process is None or c.process.poll() is not None for c in kubelet.containers.values()),
