@@ -45,7 +45,7 @@ BYTES_PER_TOKEN = bytes_per_token("logits", hidden=HIDDEN, vocab=WIDE_VOCAB)
 MAX_RESPONSE_BYTES = 40_000_000
 FITS = 512  # tokens: a 34 MB answer
 TOO_BIG = 1024  # tokens: 68 MB
-SEND_TIMEOUT = 3.0
+SEND_TIMEOUT = 6.0  # long enough that stalled answers are all still held while a slow machine checks them
 STALLED = 12
 STALLED_TOKENS = 256  # a 17 MB (16.2 MiB) answer
 # Room for the stalled answers and half of another, so one more is refused while they are held.
@@ -206,7 +206,9 @@ def test_answers_nobody_reads_are_aborted_after_the_send_timeout_and_their_memor
     body = tensor_wire.encode({"input_ids": ids(STALLED_TOKENS)})
 
     def pull(_: int) -> int:
-        return httpx.post(url + "/v1/supervision", params={"format": "logits"}, content=body).status_code
+        return httpx.post(
+            url + "/v1/supervision", params={"format": "logits"}, content=body, timeout=60
+        ).status_code
 
     with ThreadPoolExecutor(STALLED) as clients:  # warm-up: the same answers, read (the same batches)
         for _ in range(2):
@@ -247,9 +249,9 @@ def test_a_reader_that_pauses_shorter_than_the_send_timeout_gets_its_whole_answe
     received = bytearray()
     with connect(wide_server.url) as sock:
         sock.sendall(logits_request(ids(STALLED_TOKENS)))
-        for step in range(1, 5):  # 9 s of pauses in all: three times the timeout
-            time.sleep(SEND_TIMEOUT * 3 / 4)
-            while len(received) < size * step // 4:
+        for step in range(1, 7):  # pauses of half the timeout, three times the timeout in all
+            time.sleep(SEND_TIMEOUT / 2)
+            while len(received) < size * step // 6:
                 chunk = sock.recv(1 << 20)
                 assert chunk, f"closed after {len(received)} bytes"
                 received += chunk
