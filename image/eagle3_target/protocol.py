@@ -158,8 +158,14 @@ CLIENT_HEADER = "X-Eagle3-Client"
 # Set (to the time, or any new value) on an Eagle3Target to wake it from Idle: `resolve()` does when it finds
 # a target idle; the operator wakes a target whose value differs from the one it recorded when it went idle.
 ANNOTATION_WAKE_REQUESTED = f"{GROUP}/wake-requested-at"
-# The member of status.idle holding that annotation's value when the target went idle.
+# status.idle's members: when the target went idle, and that annotation's value then.
+IDLE_SINCE = "since"
 IDLE_WAKE_RECORDED = "wakeRequestedAt"
+
+
+def wake_annotation(metadata: Mapping[str, Any]) -> str | None:
+    """A target's wake annotation (from its metadata), None when unset."""
+    return (metadata.get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED)
 
 
 def wake_requested(annotation: str | None, idle: Mapping[str, Any]) -> bool:

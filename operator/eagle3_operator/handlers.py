@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION
+from eagle3_target.protocol import GROUP, PLURAL, VERSION, wake_annotation
 
 from eagle3_operator.constants import (
     ANNOTATION_UPGRADE,
@@ -124,7 +124,7 @@ async def target_index(
         status=copy.deepcopy(dict(body.get("status") or {})),
         deleting=meta.get("deletionTimestamp") is not None,
         upgrade=(meta.get("annotations") or {}).get(ANNOTATION_UPGRADE),
-        wake=(meta.get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED),
+        wake=wake_annotation(meta),
     )
     return {_key(namespace, name): snapshot}
 

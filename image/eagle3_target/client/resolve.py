@@ -37,9 +37,11 @@ from eagle3_target.client.errors import (
 from eagle3_target.protocol import (
     ANNOTATION_WAKE_REQUESTED,
     GROUP,
+    IDLE_SINCE,
     PLURAL,
     VERSION,
     ServedModel,
+    wake_annotation,
     wake_requested,
 )
 
@@ -137,7 +139,7 @@ def readiness(obj: dict[str, Any], require: Requirement = "Available") -> tuple[
         )
     if idle(obj):
         # Set before the scale-down starts: the endpoints still listed are going away.
-        return False, f"idle since {status['idle'].get('since')} ({state})"
+        return False, f"idle since {status['idle'].get(IDLE_SINCE)} ({state})"
     if ready.get("status") != "True":
         return False, state
     if not (ready_endpoints(status) or status.get("url")):
@@ -157,7 +159,7 @@ def request_wake(api: k8s.CustomObjectsApi, resource: TargetResource, obj: dict[
     status.idle recorded, and only onto the version read (a conflict means someone else wrote meanwhile: the
     next read shows whether the wake is asked for)."""
     meta = obj["metadata"]
-    if wake_requested((meta.get("annotations") or {}).get(ANNOTATION_WAKE_REQUESTED), obj["status"]["idle"]):
+    if wake_requested(wake_annotation(meta), obj["status"]["idle"]):
         return
     patch = {
         "metadata": {

@@ -128,7 +128,8 @@ class RanksEnded(RuntimeError):
 
 
 class RanksRefused(RuntimeError):
-    """Every rank failed the command, each in its own process: they are still in step and run the next."""
+    """A rank failed the command and every rank answered it (none lost): they are still in step and run the
+    next."""
 
 
 class RankProcesses:
@@ -193,10 +194,10 @@ class RankProcesses:
 
     def _call(self, command: str, *args: Any) -> list[Any]:
         """Run `command` on every rank in lockstep: each rank's result (only rank 0 sends its forwards').
-        A command that every rank refused leaves them running (`RanksRefused`); a rank that died, or did not
-        answer after another failed, ends them all (`RanksEnded`), as does anything else that stops the call
-        midway (an interrupt, an argument that does not pickle): a rank may have been left holding the
-        command, or its reply, so the next call would read a stale one."""
+        A command that a rank refused while every rank answered leaves them running (`RanksRefused`); a rank
+        that died, or did not answer after another failed, ends them all (`RanksEnded`), as does anything else
+        that stops the call midway (an interrupt, an argument that does not pickle): a rank may have been left
+        holding the command, or its reply, so the next call would read a stale one."""
         if not self._ranks:
             raise RanksEnded(
                 f"SGLang's tensor-parallel ranks have ended: {self._failure or 'the runner is closed'}"

@@ -156,7 +156,8 @@ class ServerSettings(BaseSettings):
         """Largest accepted body for routes that take token batches."""
         return _BODY_BYTES_PER_TOKEN * self.max_batch_tokens + _BODY_SLACK_BYTES
 
-    # Cached: read from the cgroup once, when the server starts, so every request sees the same limits.
+    # Both cached: the container's memory limit is read once, so /v1/info's max_response_bytes and what
+    # AnswerMemory enforces are the same values.
     @cached_property
     def response_byte_limit(self) -> int:
         """``--max-response-bytes``, else what fits the container: the answer is held in host memory (up to

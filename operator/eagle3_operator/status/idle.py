@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, IDLE_WAKE_RECORDED, wake_requested
+from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, IDLE_SINCE, IDLE_WAKE_RECORDED, wake_requested
 
 from eagle3_operator.spec import Eagle3TargetSpec
 from eagle3_operator.status.observation import ActivityReport, parse_timestamp, timestamp
@@ -77,7 +77,7 @@ def judge_idle(
     if now < deadline:
         return IdleJudgement(None, consumers, _earliest((deadline - now).total_seconds(), consumers_recheck))
     if all(report.asked_at >= deadline for report in known):
-        idle = {"since": timestamp(now), IDLE_WAKE_RECORDED: wake}
+        idle = {IDLE_SINCE: timestamp(now), IDLE_WAKE_RECORDED: wake}
         return IdleJudgement(idle, consumers, consumers_recheck)
     return IdleJudgement(None, consumers, consumers_recheck, reports_wanted_after=deadline)
 
