@@ -122,6 +122,11 @@ class Targets:
         """The target's status: empty before the operator's first write, or once the target is gone."""
         return cast(dict[str, Any], (self.get(name) or {}).get("status") or {})
 
+    def status_with_reason(self, name: str, reason: str, kind: str = "Ready") -> dict[str, Any] | None:
+        """The target's status once its `kind` condition has `reason`, else None (for `eventually`)."""
+        status = self.status(name)
+        return status if condition(status, kind).get("reason") == reason else None
+
     def patch_spec(self, name: str, spec: dict[str, Any]) -> int:
         """Merge-patch the spec; returns the new metadata.generation."""
         body = self.custom.patch_namespaced_custom_object(

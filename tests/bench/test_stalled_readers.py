@@ -13,6 +13,5 @@ def test_a_small_run_prints_the_memory_figures_and_lets_every_reader_go_after_th
     )
     assert out["send_timeouts"] == 3 and out["answer_mib"] == 4.0
     assert set(out["rss_mib"]) == {"before", "held_peak", "after_release"}
-    assert min(out["rss_mib"].values()) > 0
     # Held for the whole send timeout (no reader is let go early), and let go soon after it.
     assert SEND_TIMEOUT <= out["released_after_s"] < 4 * SEND_TIMEOUT

@@ -31,11 +31,6 @@ TOUCHED = {
 }
 
 
-def reason(targets: Targets, name: str, wanted: str, kind: str = "Ready") -> dict | None:
-    status = targets.status(name)
-    return status if condition(status, kind).get("reason") == wanted else None
-
-
 def test_removed_spec_fields_are_removed_from_the_deployment(targets: Targets, cluster):
     scheduling = kubernetes.client.SchedulingV1Api(cluster.api_client)
     scheduling.create_priority_class({"metadata": {"name": "day2-high"}, "value": 1000})
@@ -172,7 +167,9 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(
     for (earlier, later), wait in zip(itertools.pairwise(attempts), (1, 2), strict=True):
         gap = later - earlier
         assert wait - 0.2 <= gap <= wait + 3, (attempts, wait)
-    status = eventually(lambda: reason(targets, "quota", "QuotaExceeded"), "QuotaExceeded in status")
+    status = eventually(
+        lambda: targets.status_with_reason("quota", "QuotaExceeded"), "QuotaExceeded in status"
+    )
     assert "exceeded quota" in condition(status, "Ready")["message"]
     assert (condition(status, "Degraded")["status"], status["phase"]) == ("True", "Failed")
     assert status["lastFailure"]["reason"] == "QuotaExceeded"
@@ -221,7 +218,7 @@ def test_refused_writes_are_reported_with_reason_message_and_one_event(
         eventually(lambda: service_refused(targets), "the admission policy in force")
         targets.create(target_manifest("policed", free_port()))
         status = eventually(
-            lambda: reason(targets, "policed", "AdmissionDenied"), "AdmissionDenied in status"
+            lambda: targets.status_with_reason("policed", "AdmissionDenied"), "AdmissionDenied in status"
         )
         assert "services need a ticket here" in condition(status, "Ready")["message"]
     finally:
@@ -246,7 +243,7 @@ def test_a_name_taken_by_someone_else_is_never_taken_over(targets: Targets):
     }
     targets.core.create_namespaced_service(targets.namespace, foreign)
     targets.create(target_manifest("taken", free_port()))
-    status = eventually(lambda: reason(targets, "taken", "NameConflict"), "NameConflict in status")
+    status = eventually(lambda: targets.status_with_reason("taken", "NameConflict"), "NameConflict in status")
     message = condition(status, "Ready")["message"]
     assert f"Service {targets.namespace}/taken" in message and "not owned" in message
     service = targets.service("taken")
@@ -267,7 +264,9 @@ def test_a_name_taken_by_someone_else_is_never_taken_over(targets: Targets):
     replaced.metadata.owner_references = None
     replaced.metadata.labels = {"team": "web"}
     targets.core.replace_namespaced_service("taken", targets.namespace, replaced)
-    eventually(lambda: reason(targets, "taken", "NameConflict"), "NameConflict for the replaced Service")
+    eventually(
+        lambda: targets.status_with_reason("taken", "NameConflict"), "NameConflict for the replaced Service"
+    )
     time.sleep(2)  # retries come and go: still theirs
     service = targets.service("taken")
     assert not service.metadata.owner_references and service.metadata.labels == {"team": "web"}

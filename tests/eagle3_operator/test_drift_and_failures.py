@@ -52,16 +52,20 @@ def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: T
     """The status is the operator's report of what it observes: a foreign write to it is undone."""
     targets.create(target_manifest("told", free_port()))
 
-    def settled() -> dict | None:  # the pod is Ready but nothing answers at its IP: a stable failure
-        status = targets.status("told")
-        return status if condition(status, "Ready").get("reason") == "EndpointUnreachable" else None
-
-    honest = eventually(settled, "the unserved target reported EndpointUnreachable")
+    # the pod is Ready but nothing answers at its IP: a stable failure
+    honest = eventually(
+        lambda: targets.status_with_reason("told", "EndpointUnreachable"),
+        "the unserved target reported EndpointUnreachable",
+    )
     targets.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, targets.namespace, PLURAL, "told", {"status": {"phase": "Ready", "url": "http://x"}}
     )
     restored = eventually(
-        lambda: (s := settled()) is not None and s.get("url") == honest["url"] and s,
+        lambda: (
+            (s := targets.status_with_reason("told", "EndpointUnreachable"))
+            and s.get("url") == honest["url"]
+            and s
+        ),
         "the foreign status write undone",
     )
     assert restored["phase"] == honest["phase"] == "Failed"
@@ -70,11 +74,9 @@ def test_status_edited_by_someone_else_is_recomputed_from_observation(targets: T
 def test_more_gpus_than_any_node_is_unschedulable(targets: Targets):
     targets.create(target_manifest("huge", free_port(), tensorParallelSize=16))
 
-    def unschedulable() -> dict | None:
-        status = targets.status("huge")
-        return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
-
-    status = eventually(unschedulable, "Unschedulable in the Ready condition")
+    status = eventually(
+        lambda: targets.status_with_reason("huge", "Unschedulable"), "Unschedulable in the Ready condition"
+    )
     assert condition(status, "Degraded")["status"] == "True"
     assert status["lastFailure"]["reason"] == "Unschedulable"
     assert "nvidia.com/gpu" in status["lastFailure"]["message"]
@@ -89,10 +91,8 @@ def test_child_the_api_server_rejects_is_reported_not_retried_forever(targets: T
     """A spec the CRD accepts but whose Deployment the API server refuses (an invalid label key)."""
     targets.create(target_manifest("odd", free_port(), nodeSelector={"not a label key!": "x"}))
 
-    def rejected() -> dict | None:
-        status = targets.status("odd")
-        return status if condition(status, "Ready").get("reason") == "InvalidSpec" else None
-
-    status = eventually(rejected, "the rejection reported in status")
+    status = eventually(
+        lambda: targets.status_with_reason("odd", "InvalidSpec"), "the rejection reported in status"
+    )
     assert "rejected" in status["lastFailure"]["message"] and status["phase"] == "Failed"
     assert targets.deployment("odd") is None

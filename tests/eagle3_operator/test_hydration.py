@@ -81,11 +81,9 @@ def test_one_hydration_job_serves_three_replicas_which_wait_for_it(targets: Targ
 
     # The claim does not exist yet, so the download cannot start: no server pod is asked for meanwhile,
     # and the target says why.
-    def stuck() -> dict | None:
-        status = targets.status("hydrated")
-        return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
-
-    status = eventually(stuck, "the unschedulable download reported")
+    status = eventually(
+        lambda: targets.status_with_reason("hydrated", "Unschedulable"), "the unschedulable download reported"
+    )
     assert "hydration pod" in condition(status, "Ready")["message"]
     assert "hf-cache" in condition(status, "Ready")["message"]
     assert targets.deployment("hydrated").spec.replicas == 0 and targets.pods("hydrated") == []
@@ -130,11 +128,9 @@ def test_a_download_that_cannot_succeed_fails_the_target_with_its_reason(targets
         pod.metadata.name, targets.namespace, [{"op": "replace", "path": "/status", "value": status}]
     )
 
-    def failed() -> dict | None:
-        status = targets.status("gated")
-        return status if condition(status, "Ready").get("reason") == "ModelDownloadFailed" else None
-
-    status = eventually(failed, "the failed download reported")
+    status = eventually(
+        lambda: targets.status_with_reason("gated", "ModelDownloadFailed"), "the failed download reported"
+    )
     assert reason in condition(status, "Degraded")["message"]
     assert status["lastFailure"]["reason"] == "ModelDownloadFailed" and status["phase"] == "Failed"
     (job,) = hydration_jobs(targets)
@@ -163,11 +159,10 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
             "the new download's Job",
         )
 
-        def held() -> dict | None:  # cache-b does not exist yet: its download cannot run
-            status = targets.status("moving")
-            return status if condition(status, "Ready").get("reason") == "Unschedulable" else None
-
-        eventually(held, "the new download reported stuck")
+        # cache-b does not exist yet: its download cannot run
+        eventually(
+            lambda: targets.status_with_reason("moving", "Unschedulable"), "the new download reported stuck"
+        )
         assert claim() == "cache-a" and targets.deployment("moving").spec.replicas == 2
         assert sorted(p.metadata.name for p in targets.pods("moving")) == sorted(
             p.metadata.name for p in serving

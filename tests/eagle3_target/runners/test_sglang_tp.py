@@ -35,7 +35,9 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[Started]:
     monkeypatch.setenv("PYTHONPATH", str(Path(faults.__file__).parent))
     before = set(live_children())
     ranks = RankProcesses.start(SimpleNamespace(tp_size=2, nccl_port=free_port(), device="cpu"))
-    yield Started(ranks, sorted(set(live_children()) - before, key=lambda p: (p.create_time(), p.pid)))
+    processes = sorted(set(live_children()) - before, key=lambda p: (p.create_time(), p.pid))
+    assert len(processes) == 2, processes  # what the tests below see end (or kill) is every rank
+    yield Started(ranks, processes)
     ranks.close()
 
 
@@ -105,7 +107,6 @@ def test_a_call_stopped_midway_ends_every_rank_rather_than_leave_a_stale_reply(s
 
 def test_a_rank_that_died_between_batches_is_the_failure_before_the_next_batch(started, ranks):
     assert_serves(ranks)
-    assert len(started.processes) == 2
     started.processes[1].kill()
     assert (
         eventually(lambda: ranks.failure, "the dead rank seen") == "SGLang tensor-parallel rank 1 has exited"

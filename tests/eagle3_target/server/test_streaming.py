@@ -167,9 +167,11 @@ def test_nemo_generate_over_the_cap_is_413(wide_server):
 
 def test_probes_answer_while_large_answers_wait_for_readers_that_do_not_read(wide_server):
     url = wide_server.url
+    computed = gauge(url, "eagle3_batch_tokens_sum")
     stalled = [stalled_reader(url, ids(FITS)) for _ in range(3)]
     try:
-        time.sleep(2)  # the answers are computed and stuck in flow control now
+        eventually(lambda: gauge(url, "eagle3_batch_tokens_sum") == computed + 3 * FITS, "answers computed")
+        assert in_flight(url) == 3  # and stuck in flow control
         for path in ("/readyz", "/healthz", "/metrics", "/v1/info"):
             started = time.monotonic()
             assert httpx.get(url + path, timeout=5).status_code == 200, path
@@ -254,9 +256,11 @@ def test_a_reader_that_pauses_shorter_than_the_send_timeout_gets_its_whole_answe
         size = int(answer.headers["content-length"])
         payload = bytearray()
         for _ in range(5):
-            payload += answer.read(size // 6)  # exactly that many bytes, or IncompleteRead if cut off
+            part = answer.read(size // 6)  # a short read: the server cut the answer off
+            payload += part
+            assert len(part) == size // 6, f"cut off after {len(payload)} of {size} bytes"
             time.sleep(SEND_TIMEOUT / 2)
-        payload += answer.read()
+        payload += answer.read()  # IncompleteRead if cut off
     assert len(payload) == size
     tensors, _ = tensor_wire.decode(payload)
     assert tensors["logits"].shape == (1, STALLED_TOKENS, WIDE_VOCAB)
