@@ -16,6 +16,25 @@ import torch
 from torch import Tensor
 
 NUM_AUX_LAYERS = 3
+# The most decoder layers one target captures: DFlash-style drafts take 5-6, and each captured layer is a
+# full hidden state per token on every answer that asks for it.
+MAX_CAPTURE_LAYERS = 32
+
+
+def _layer_ids(ids: Sequence[int], what: str) -> list[int]:
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError as exc:
+        raise ValueError(f"{what} must be integers, got {list(ids)!r}") from exc
+
+
+def _check_layer_ids(checked: list[int], num_layers: int, what: str) -> list[int]:
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"{what} must be distinct, got {checked}")
+    for i in checked:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"{what[:-1]} {i} is out of range for a model with {num_layers} layers")
+    return checked
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -34,21 +53,61 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def validate_aux_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """Check an explicit selection: exactly 3 distinct integer ids in [0, num_layers)."""
-    try:
-        checked = [operator.index(i) for i in ids]
-    except TypeError as exc:
-        raise ValueError(f"aux layer ids must be integers, got {list(ids)!r}") from exc
+    """Check an explicit EAGLE-3 selection: exactly 3 distinct integer ids in [0, num_layers)."""
+    checked = _layer_ids(ids, "aux layer ids")
     if len(checked) != NUM_AUX_LAYERS:
         raise ValueError(
             f"EAGLE-3 needs exactly {NUM_AUX_LAYERS} aux layer ids, got {len(checked)}: {checked}"
         )
-    if len(set(checked)) != NUM_AUX_LAYERS:
-        raise ValueError(f"aux layer ids must be distinct, got {checked}")
-    for i in checked:
-        if not 0 <= i < num_layers:
-            raise ValueError(f"aux layer id {i} is out of range for a model with {num_layers} layers")
-    return checked
+    return _check_layer_ids(checked, num_layers, "aux layer ids")
+
+
+def validate_capture_layer_ids(ids: Sequence[int], num_layers: int) -> list[int]:
+    """Check a capture set: 1 to MAX_CAPTURE_LAYERS distinct integer ids in [0, num_layers), in the order
+    given. Id L-1, the last decoder layer's output, is the last hidden state before the final norm."""
+    checked = _layer_ids(ids, "capture layer ids")
+    if not 1 <= len(checked) <= MAX_CAPTURE_LAYERS:
+        raise ValueError(
+            f"a capture set has 1 to {MAX_CAPTURE_LAYERS} layer ids, got {len(checked)}: {checked}"
+        )
+    return _check_layer_ids(checked, num_layers, "capture layer ids")
+
+
+def capture_plan(
+    num_layers: int, aux_layer_ids: Sequence[int] | None, capture_layer_ids: Sequence[int] | None
+) -> tuple[list[int], list[int]]:
+    """(aux, capture) layer ids of a target: the aux layers default to the EAGLE-3 recipe, the capture set
+    to the aux layers, and the aux layers must be captured (the EAGLE-3 formats ship them)."""
+    aux = (
+        default_aux_layer_ids(num_layers)
+        if aux_layer_ids is None
+        else validate_aux_layer_ids(aux_layer_ids, num_layers)
+    )
+    if capture_layer_ids is None:
+        return aux, aux
+    capture = validate_capture_layer_ids(capture_layer_ids, num_layers)
+    missing = [i for i in aux if i not in capture]
+    if missing:
+        raise ValueError(
+            f"the aux layers {aux} must be captured, but the capture set {capture} lacks {missing}: add them "
+            "to the capture layer ids or choose aux layer ids among them"
+        )
+    return aux, capture
+
+
+def select_layers(captured: Tensor, captured_ids: Sequence[int], wanted: Sequence[int]) -> Tensor:
+    """The `wanted` layers, concatenated in that order ([B, S, k*H]), from `captured` ([B, S, n*H], the
+    layers `captured_ids` in that order). The captured tensor itself when all of it is wanted in order."""
+    captured_ids, wanted = list(captured_ids), list(wanted)
+    if wanted == captured_ids:
+        return captured
+    missing = [i for i in wanted if i not in captured_ids]
+    if missing:
+        raise ValueError(f"layers {missing} are not among the captured layers {captured_ids}")
+    width = captured.shape[-1] // len(captured_ids)
+    positions = torch.tensor([captured_ids.index(i) for i in wanted], device=captured.device)
+    per_layer = captured.unflatten(-1, (len(captured_ids), width))
+    return per_layer.index_select(-2, positions).flatten(-2)
 
 
 def shift_left(t: Tensor) -> Tensor:

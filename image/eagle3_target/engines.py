@@ -61,7 +61,7 @@ def _sglang_engine_args(engine: str, engine_kwargs: Mapping[str, object]) -> Non
 class Engine:
     """One engine: how to load its runner and what it accepts."""
 
-    # (model_path, dtype=, device=, aux_layer_ids=, trust_remote_code=, **engine_kwargs) -> runner
+    # (model_path, dtype=, device=, capture_layer_ids=, trust_remote_code=, **engine_kwargs) -> runner
     load: Callable[..., TargetRunner]
     # Refuses, before anything loads, the engine arguments that loading would refuse (ModelRefused).
     check_args: Callable[[str, Mapping[str, object]], None]

@@ -7,7 +7,7 @@ it carries and which query parameters it takes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -55,6 +55,7 @@ class Format:
     prenorm: bool = False
 
 
+# The EAGLE-3 formats: the three aux layers and what rebuilds the target's distribution.
 FORMATS: dict[str, Format] = {
     "hidden": Format(("aux_hidden_states", "final_hidden")),
     "draft": Format(("aux_hidden_states", "draft_logits", "logsumexp", "argmax"), needs_vocab=True),
@@ -62,6 +63,75 @@ FORMATS: dict[str, Format] = {
     "logits": Format(("aux_hidden_states", "logits"), takes_dtype=True),
     "hidden_prenorm": Format(("aux_hidden_states", "final_hidden_prenorm"), prenorm=True),
 }
+
+# The format for any draft method: captured layers chosen per request (`layers=`) and, if asked, the last
+# hidden state before or after the final norm (`final=`). `layers=none` asks for the final state alone.
+LAYERS_FORMAT = "layers"
+LAYERS_TENSOR = "hidden_states"
+NO_LAYERS = "none"
+# `final=` values and the tensor each ships (none: no final state).
+FINAL_STATES: dict[str, str | None] = {
+    "none": None,
+    "prenorm": "final_hidden_prenorm",
+    "postnorm": "final_hidden",
+}
+# What /v1/info lists and /v1/supervision's `format=` takes.
+SERVED_FORMATS = (*FORMATS, LAYERS_FORMAT)
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """A `layers` request: which captured layers, in the order wanted (empty for none), and which final
+    state. The client builds its query from it, the server parses the query into it."""
+
+    layers: tuple[int, ...]
+    final: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.final not in FINAL_STATES:
+            raise ValueError(f"unknown final state {self.final!r}; expected one of {list(FINAL_STATES)}")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers must be distinct, got {list(self.layers)}")
+        if not self.layers and self.final == "none":
+            raise ValueError(
+                "layers=none asks for no tensor: ask for a final state (final=prenorm or postnorm)"
+            )
+
+    @property
+    def final_tensor(self) -> str | None:
+        return FINAL_STATES[self.final]
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The tensors of the answer, in order."""
+        layers = (LAYERS_TENSOR,) if self.layers else ()
+        return layers + ((self.final_tensor,) if self.final_tensor else ())
+
+    def query(self) -> dict[str, str]:
+        layers = ",".join(str(i) for i in self.layers) if self.layers else NO_LAYERS
+        return {"format": LAYERS_FORMAT, "layers": layers, "final": self.final}
+
+    @classmethod
+    def parse(cls, layers: str | None, final: str | None, captured: Sequence[int]) -> LayerSelection:
+        """From the query's `layers` (a CSV of captured ids, `none`, or absent for every captured layer in
+        capture order) and `final`; ValueError says what is wrong."""
+        if layers is None:
+            ids: tuple[int, ...] = tuple(captured)
+        elif layers.strip() == NO_LAYERS:
+            ids = ()
+        else:
+            words = [word.strip() for word in layers.split(",")]
+            if not all(word.lstrip("-").isdigit() for word in words):
+                raise ValueError(
+                    f"layers must be a comma-separated list of layer ids or {NO_LAYERS!r}, got {layers!r}"
+                )
+            ids = tuple(int(word) for word in words)
+            uncaptured = [i for i in ids if i not in captured]
+            if uncaptured:
+                raise ValueError(
+                    f"layers {uncaptured} are not captured by this target; it captures {list(captured)}"
+                )
+        return cls(ids, final or "none")
 
 
 class TargetInfo(BaseModel):
@@ -80,6 +150,9 @@ class TargetInfo(BaseModel):
     hidden_size: int
     vocab_size: int
     aux_layer_ids: list[int]
+    # The layers the `layers` format can ship, in capture order (the aux layers among them); servers older
+    # than capture sets captured the aux layers only.
+    capture_layer_ids: list[int] | None = None
     fingerprint: str
     formats: list[str]
     max_batch_tokens: int
@@ -98,8 +171,14 @@ class TargetInfo(BaseModel):
             hidden_size=self.hidden_size,
             vocab_size=self.vocab_size,
             aux_layer_ids=self.aux_layer_ids,
+            capture_layer_ids=self.captured_layers,
             fingerprint=self.fingerprint,
         )
+
+    @property
+    def captured_layers(self) -> list[int]:
+        """The capture set (the aux layers for a server that predates capture sets)."""
+        return self.capture_layer_ids if self.capture_layer_ids is not None else self.aux_layer_ids
 
 
 class ServedModel(BaseModel):
@@ -116,6 +195,7 @@ class ServedModel(BaseModel):
     hidden_size: int
     vocab_size: int
     aux_layer_ids: list[int]
+    capture_layer_ids: list[int] | None = None
     fingerprint: str
 
     def to_status(self) -> dict[str, object]:

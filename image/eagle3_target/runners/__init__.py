@@ -36,7 +36,7 @@ def load_runner(
     model_path: str | os.PathLike[str],
     *,
     dtype: str | torch.dtype,
-    aux_layer_ids: Sequence[int] | None = None,
+    capture_layer_ids: Sequence[int] | None = None,
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
     **engine_kwargs: Any,
@@ -47,7 +47,7 @@ def load_runner(
         model_path,
         dtype=dtype,
         device=device,
-        aux_layer_ids=aux_layer_ids,
+        capture_layer_ids=capture_layer_ids,
         trust_remote_code=trust_remote_code,
         **engine_kwargs,
     )

@@ -33,29 +33,35 @@ class ForwardHiddenUnsupported(ValueError):
 
 @runtime_checkable
 class TargetRunner(Protocol):
-    """A frozen target LLM that returns EAGLE-3 captures. All outputs are unshifted (position-aligned)."""
+    """A frozen target LLM that returns the hidden states of its capture set: the decoder layers it was
+    loaded to capture, in that order (the EAGLE-3 aux layers by default). All outputs are unshifted
+    (position-aligned)."""
 
     @property
     def model(self) -> Any:
         """Exposes .config (num_hidden_layers, hidden_size, vocab_size) and .parameters()."""
 
     @property
-    def aux_layer_ids(self) -> list[int]: ...
+    def capture_layer_ids(self) -> list[int]:
+        """The captured decoder layers, in the order of the captured tensor (HF ids: output of decoder
+        layer i; L-1 is the last hidden state before the final norm)."""
+        ...
 
-    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
-        """Select the 3 decoder layers to capture (HF ids: output of decoder layer i)."""
+    def set_capture_layers(self, capture_layer_ids: Sequence[int]) -> None:
+        """Capture these layers from now on (`contract.validate_capture_layer_ids`)."""
         ...
 
     def forward_eagle3(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """(logits [B,S,V], aux [B,S,3H]) in the model dtype."""
+        """(logits [B,S,V], captured [B,S,n*H]) in the model dtype."""
         ...
 
     def forward_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, prenorm: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """(final_norm(h_L) [B,S,H], aux [B,S,3H]) in the model dtype, without materialising full logits.
+        """(final_norm(h_L) [B,S,H], captured [B,S,n*H]) in the model dtype, without materialising full
+        logits.
 
         With `prenorm`, h_L itself: the last decoder layer's output before the final norm (for trainers
         that apply the target's norm themselves, like speculators)."""

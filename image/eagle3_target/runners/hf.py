@@ -1,7 +1,8 @@
-"""The Hugging Face engine: a local causal LM run in-process, aux layers captured with forward hooks.
+"""The Hugging Face engine: a local causal LM run in-process, its capture set taken with forward hooks.
 
-This is the reference NeMo's co-located backend defines (aux id i = output of decoder layer i = HF
-`hidden_states[i+1]`, logits from the model's own lm_head); it runs anywhere, CPU included.
+This is the reference NeMo's co-located backend defines (layer id i = output of decoder layer i = HF
+`hidden_states[i+1]`, except that id L-1 is taken before the final norm; logits from the model's own
+lm_head); it runs anywhere, CPU included.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from eagle3_target.contract import default_aux_layer_ids, validate_aux_layer_ids
+from eagle3_target.contract import default_aux_layer_ids, validate_capture_layer_ids
 from eagle3_target.runners.base import (
     ForwardHiddenUnsupported,
     ModelRefused,
@@ -44,7 +45,7 @@ class HFRunner:
     trainer, and inference tensors cannot be saved for backward there.
     """
 
-    def __init__(self, model: PreTrainedModel, aux_layer_ids: Sequence[int] | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, capture_layer_ids: Sequence[int] | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self._config = text_config(model.config)
         self._decoder: nn.Module = model.get_decoder()
@@ -55,9 +56,11 @@ class HFRunner:
         num_layers = int(self._config.num_hidden_layers)
         if len(self._layers) != num_layers:
             raise ValueError(f"config says {num_layers} layers but the model has {len(self._layers)}")
-        self.aux_layer_ids: list[int] = []
+        self.capture_layer_ids: list[int] = []
         self._failure: str | None = None
-        self.set_aux_layers(default_aux_layer_ids(num_layers) if aux_layer_ids is None else aux_layer_ids)
+        self.set_capture_layers(
+            default_aux_layer_ids(num_layers) if capture_layer_ids is None else capture_layer_ids
+        )
 
     @classmethod
     def from_pretrained(
@@ -66,7 +69,7 @@ class HFRunner:
         *,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
-        aux_layer_ids: Sequence[int] | None = None,
+        capture_layer_ids: Sequence[int] | None = None,
         trust_remote_code: bool = False,
     ) -> HFRunner:
         """Load a local model directory (sharded or not); device defaults to CUDA when available."""
@@ -83,10 +86,10 @@ class HFRunner:
             local_files_only=True,
             trust_remote_code=trust_remote_code,
         )
-        return cls(model.to(device), aux_layer_ids)
+        return cls(model.to(device), capture_layer_ids)
 
-    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
-        self.aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, len(self._layers))
+    def set_capture_layers(self, capture_layer_ids: Sequence[int]) -> None:
+        self.capture_layer_ids = validate_capture_layer_ids(capture_layer_ids, len(self._layers))
 
     def forward_eagle3(
         self, input_ids: Tensor, attention_mask: Tensor | None = None
@@ -94,8 +97,8 @@ class HFRunner:
         def run(ids: Tensor, mask: Tensor) -> Tensor:
             return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
-        logits, captured = self._run_capturing(run, input_ids, attention_mask, self.aux_layer_ids)
-        return logits, self._aux(captured)
+        logits, captured = self._run_capturing(run, input_ids, attention_mask, self.capture_layer_ids)
+        return logits, self._concat(captured)
 
     def forward_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, prenorm: bool = False
@@ -111,9 +114,9 @@ class HFRunner:
 
         # h_L is the last decoder layer's output, the tensor the decoder hands its final norm.
         last = len(self._layers) - 1
-        layer_ids = [*self.aux_layer_ids, last] if prenorm else self.aux_layer_ids
+        layer_ids = [*self.capture_layer_ids, last] if prenorm else self.capture_layer_ids
         final, captured = self._run_capturing(run, input_ids, attention_mask, layer_ids)
-        return (captured[last] if prenorm else final), self._aux(captured)
+        return (captured[last] if prenorm else final), self._concat(captured)
 
     def _run_capturing(
         self,
@@ -149,8 +152,8 @@ class HFRunner:
             raise RuntimeError(f"captured layers {sorted(captured)}, expected {wanted}")
         return main, captured
 
-    def _aux(self, captured: dict[int, Tensor]) -> Tensor:
-        return torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+    def _concat(self, captured: dict[int, Tensor]) -> Tensor:
+        return torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1)
 
     def input_embedding_weight(self) -> Tensor:
         return self.model.get_input_embeddings().weight.detach()
