@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from eagle3_target.protocol import MAX_CAPTURE_LAYERS
+
 NUM_AUX_LAYERS = 3
-# The most decoder layers one target captures: DFlash-style drafts take 5-6, and each captured layer is a
-# full hidden state per token on every answer that asks for it.
-MAX_CAPTURE_LAYERS = 32
 
 
 def _layer_ids(ids: Sequence[int], what: str) -> list[int]:

@@ -64,6 +64,10 @@ FORMATS: dict[str, Format] = {
     "hidden_prenorm": Format(("aux_hidden_states", "final_hidden_prenorm"), prenorm=True),
 }
 
+# The most decoder layers one target captures: DFlash-style drafts take 5-6, and each captured layer is a
+# full hidden state per token on every answer that asks for it.
+MAX_CAPTURE_LAYERS = 32
+
 # The format for any draft method: captured layers chosen per request (`layers=`) and, if asked, the last
 # hidden state before or after the final norm (`final=`). `layers=none` asks for the final state alone.
 LAYERS_FORMAT = "layers"
@@ -112,26 +116,29 @@ class LayerSelection:
         return {"format": LAYERS_FORMAT, "layers": layers, "final": self.final}
 
     @classmethod
+    def checked(cls, layers: Sequence[int], final: str, captured: Sequence[int]) -> LayerSelection:
+        """A selection whose layers the target captures; ValueError names both sets otherwise."""
+        uncaptured = [i for i in layers if i not in captured]
+        if uncaptured:
+            raise ValueError(
+                f"layers {uncaptured} are not captured by this target; it captures {list(captured)}"
+            )
+        return cls(tuple(layers), final)
+
+    @classmethod
     def parse(cls, layers: str | None, final: str | None, captured: Sequence[int]) -> LayerSelection:
         """From the query's `layers` (a CSV of captured ids, `none`, or absent for every captured layer in
         capture order) and `final`; ValueError says what is wrong."""
         if layers is None:
-            ids: tuple[int, ...] = tuple(captured)
-        elif layers.strip() == NO_LAYERS:
-            ids = ()
-        else:
-            words = [word.strip() for word in layers.split(",")]
-            if not all(word.lstrip("-").isdigit() for word in words):
-                raise ValueError(
-                    f"layers must be a comma-separated list of layer ids or {NO_LAYERS!r}, got {layers!r}"
-                )
-            ids = tuple(int(word) for word in words)
-            uncaptured = [i for i in ids if i not in captured]
-            if uncaptured:
-                raise ValueError(
-                    f"layers {uncaptured} are not captured by this target; it captures {list(captured)}"
-                )
-        return cls(ids, final or "none")
+            return cls.checked(captured, final or "none", captured)
+        if layers.strip() == NO_LAYERS:
+            return cls.checked((), final or "none", captured)
+        words = [word.strip() for word in layers.split(",")]
+        if not all(word.lstrip("-").isdigit() for word in words):
+            raise ValueError(
+                f"layers must be a comma-separated list of layer ids or {NO_LAYERS!r}, got {layers!r}"
+            )
+        return cls.checked([int(word) for word in words], final or "none", captured)
 
 
 class TargetInfo(BaseModel):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import email.utils
 import itertools
 import json
+import operator
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -30,7 +31,14 @@ from eagle3_target.client.runner_adapter import RemoteTargetRunner
 from eagle3_target.client.transport import Reply, Transport, TransportError
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping
 from eagle3_target.formats import batch_from_supervision
-from eagle3_target.protocol import CLIENT_HEADER, FORMATS, LOGITS_DTYPES, WEIGHT_NAMES, TargetInfo
+from eagle3_target.protocol import (
+    CLIENT_HEADER,
+    FORMATS,
+    LOGITS_DTYPES,
+    WEIGHT_NAMES,
+    LayerSelection,
+    TargetInfo,
+)
 from eagle3_target.wire import WireFormatError
 from eagle3_target.wire.tensors import decode, encode
 
@@ -165,12 +173,36 @@ class TargetClient:
             vocab = self.register_vocab(vocab)
         if format in FORMATS and FORMATS[format].needs_vocab and vocab is None:
             raise ValueError(f"format {format!r} needs a draft vocabulary: pass vocab= (a VocabMapping)")
-        tensors = {"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous()}
-        if attention_mask is not None:
-            tensors["attention_mask"] = attention_mask.detach().to("cpu", torch.int64).contiguous()
         params = (
             {"format": format} | ({"vocab": vocab} if vocab else {}) | ({"dtype": dtype} if dtype else {})
         )
+        return self._supervision(input_ids, attention_mask, params, vocab)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        layers: Sequence[int] | None = None,
+        final: str = "none",
+    ) -> dict[str, Tensor]:
+        """The `layers` format: any captured layers and the last hidden state, for any draft method.
+
+        `layers` are captured layer ids (HF convention) in the order wanted, concatenated in `hidden_states`
+        [B,S,n*H]; None for the whole capture set, `()` for none. `final` adds `final_hidden_prenorm`
+        ("prenorm", h_L before the final norm) or `final_hidden` ("postnorm") [B,S,H]. Unshifted. Layers the
+        target does not capture are refused here, before any request, naming both sets.
+        """
+        captured = self.info().captured_layers
+        wanted = captured if layers is None else [operator.index(i) for i in layers]
+        selection = LayerSelection.checked(wanted, final, captured)
+        return self._supervision(input_ids, attention_mask, selection.query(), None)
+
+    def _supervision(
+        self, input_ids: Tensor, attention_mask: Tensor | None, params: dict[str, str], vocab: str | None
+    ) -> dict[str, Tensor]:
+        tensors = {"input_ids": input_ids.detach().to("cpu", torch.int64).contiguous()}
+        if attention_mask is not None:
+            tensors["attention_mask"] = attention_mask.detach().to("cpu", torch.int64).contiguous()
         body = encode(tensors)
         tensors = self._tensors("POST", "/v1/supervision", params=params, content=body, vocab=vocab)
         return {k: v.to(self.device) for k, v in tensors.items()}

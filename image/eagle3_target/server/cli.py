@@ -10,7 +10,7 @@ import functools
 import inspect
 import os
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, get_origin
+from typing import Annotated, Any, NoReturn, get_args, get_origin
 
 import typer
 from pydantic import ValidationError
@@ -26,11 +26,16 @@ KEEP_ALIVE_SECONDS = 600
 def _flag(name: str, field: FieldInfo) -> inspect.Parameter:
     """One setting as a flag: the field's type, optional (None means "not given"), its description as help.
 
-    A dict field is a repeatable KEY=VALUE flag; `json_schema_extra={"flag": ...}` renames a flag.
+    A dict field is a repeatable KEY=VALUE flag, a tuple of any length one comma-separated word;
+    `json_schema_extra={"flag": ...}` renames a flag.
     """
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     flag = "--" + str(extra.get("flag", name.replace("_", "-")))
-    kind: Any = list[str] if get_origin(field.annotation) is dict else field.annotation
+    kind: Any = field.annotation
+    if get_origin(field.annotation) is dict:
+        kind = list[str]
+    elif any(get_args(arm)[-1:] == (Ellipsis,) for arm in get_args(field.annotation)):
+        kind = str
     option = typer.Option(flag, help=f"{field.description or ''} (env {ENV_PREFIX}{name.upper()})".lstrip())
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]

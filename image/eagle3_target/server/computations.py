@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from torch import Tensor
 
 from eagle3_target import formats
-from eagle3_target.contract import VocabMapping, build_batch
-from eagle3_target.protocol import FORMATS
+from eagle3_target.contract import VocabMapping, build_batch, select_layers
+from eagle3_target.protocol import FORMATS, LAYERS_TENSOR, LayerSelection
 from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.server.batching import Tensors
 from eagle3_target.server.streaming import AnswerHold
@@ -46,12 +46,42 @@ def supervision_compute(
     def compute(inputs: Tensors) -> Tensors:
         input_ids = inputs["input_ids"].to(target.device)
         attention_mask = inputs["attention_mask"].to(target.device)
-        final_hidden, aux = target.runner.forward_hidden(
+        final_hidden, captured = target.runner.forward_hidden(
             input_ids, attention_mask, prenorm=FORMATS[fmt].prenorm
         )
-        out = formats.supervision(
-            fmt, final_hidden, aux, target.runner.lm_head_weight(), mapping=mapping, logits_dtype=logits_dtype
+        return formats.supervision(
+            fmt,
+            final_hidden,
+            aux_layers(target, captured),
+            target.runner.lm_head_weight(),
+            mapping=mapping,
+            logits_dtype=logits_dtype,
         )
+
+    return compute
+
+
+def aux_layers(target: LoadedTarget, captured: Tensor) -> Tensor:
+    """The EAGLE-3 aux layers [B,S,3H] among a runner's captured layers (the captured tensor itself when
+    the target captures only them)."""
+    return select_layers(captured, target.info.captured_layers, target.info.aux_layer_ids)
+
+
+def layers_compute(target: LoadedTarget, selection: LayerSelection) -> Callable[[Tensors], Tensors]:
+    """The ``layers`` format: the selected captured layers concatenated in the order asked, and the final
+    state asked for (before or after the final norm), unshifted, on the target's device."""
+
+    def compute(inputs: Tensors) -> Tensors:
+        input_ids = inputs["input_ids"].to(target.device)
+        attention_mask = inputs["attention_mask"].to(target.device)
+        final_hidden, captured = target.runner.forward_hidden(
+            input_ids, attention_mask, prenorm=selection.final != "postnorm"
+        )
+        out: Tensors = {}
+        if selection.layers:
+            out[LAYERS_TENSOR] = select_layers(captured, target.info.captured_layers, selection.layers)
+        if selection.final_tensor is not None:
+            out[selection.final_tensor] = final_hidden
         return out
 
     return compute
@@ -82,6 +112,13 @@ def supervision_answer_bytes(
     return tokens * formats.bytes_per_token(fmt, _token_sizes(target, mapping, logits_dtype)) + _FRAMING_BYTES
 
 
+def layers_answer_bytes(target: LoadedTarget, selection: LayerSelection, tokens: int) -> int:
+    """The size of a ``layers`` answer for ``tokens`` tokens, framing included (an upper bound)."""
+    states = len(selection.layers) + (selection.final_tensor is not None)
+    itemsize = getattr(torch, target.info.dtype).itemsize
+    return tokens * states * target.info.hidden_size * itemsize + _FRAMING_BYTES
+
+
 def nemo_answer_bytes(target: LoadedTarget, tokens: int, mapping: VocabMapping) -> int:
     """The size of NeMo's ``/generate`` answer for ``tokens`` tokens, framing included (an upper bound)."""
     per_token = formats.bytes_per_token("probs", _token_sizes(target, mapping, torch.float32))
@@ -102,11 +139,13 @@ def nemo_generate_compute(target: LoadedTarget, mapping: VocabMapping) -> Callab
         loss_mask = inputs["loss_mask"].to(target.device)
         runner = target.runner
         try:
-            final_hidden, aux = runner.forward_hidden(input_ids, attention_mask)
+            final_hidden, captured = runner.forward_hidden(input_ids, attention_mask)
         except ForwardHiddenUnsupported:
-            logits, aux = runner.forward_eagle3(input_ids, attention_mask)
+            logits, captured = runner.forward_eagle3(input_ids, attention_mask)
+            aux = aux_layers(target, captured)
             batch = build_batch(logits, aux, input_ids, attention_mask, loss_mask, mapping=mapping)
         else:
+            aux = aux_layers(target, captured)
             probs = formats.supervision("probs", final_hidden, aux, runner.lm_head_weight(), mapping=mapping)
             batch = formats.batch_from_supervision(
                 "probs", probs, input_ids, attention_mask, loss_mask, mapping=mapping

@@ -66,11 +66,14 @@ def model_fingerprint(
     dtype: str,
     engine: str,
     aux_layer_ids: Sequence[int],
+    capture_layer_ids: Sequence[int],
 ) -> str:
     """``sha256:<hex>`` identifying the served model; equal across replicas serving the same thing.
 
     The engine is included because vLLM and HF agree only to numerical tolerance, so a trainer should not
     silently mix them. The local path is not included: two replicas may mount the same weights elsewhere.
+    A capture set beyond the aux layers is included only when set, so a target that captures just its aux
+    layers keeps the fingerprint it had before capture sets existed (its clients' pins still hold).
     """
     root = Path(model_path)
     files = weight_files(root) if root.is_dir() else ([root] if root.is_file() else [])
@@ -83,5 +86,7 @@ def model_fingerprint(
         "aux_layer_ids": list(aux_layer_ids),
         "weights": {str(p.relative_to(base)): weight_file_digest(p) for p in files},
     }
+    if list(capture_layer_ids) != list(aux_layer_ids):
+        identity["capture_layer_ids"] = list(capture_layer_ids)
     canonical = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(canonical).hexdigest()

@@ -11,6 +11,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from eagle3_target.engines import DEFAULT_ENGINE, ENGINES
+from eagle3_target.protocol import MAX_CAPTURE_LAYERS
 
 ENV_PREFIX = "EAGLE3_TARGET_"
 # Input tensors are int64 [B,S]: ids plus attention and loss masks, and headroom for safetensors headers.
@@ -44,6 +45,11 @@ class ServerSettings(BaseSettings):
     dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float32...")
     aux_layer_ids: Annotated[tuple[int, int, int] | None, NoDecode] = Field(
         None, description="Three HF aux layer ids; default [1, L//2-1, L-4]."
+    )
+    capture_layer_ids: Annotated[tuple[int, ...] | None, NoDecode] = Field(
+        None,
+        description="HF layer ids to capture, comma-separated (1 to 32; L-1 is the last hidden state before "
+        "the final norm), for the `layers` format; must include the aux layers; default: the aux layers.",
     )
     tensor_parallel_size: int = Field(1, description="GPUs per replica (sharded engines: vllm, sglang).")
     max_model_len: int | None = Field(None, description="Longest accepted sequence.")
@@ -111,6 +117,33 @@ class ServerSettings(BaseSettings):
         if isinstance(value, list | tuple) and len(value) != 3:
             raise ValueError(f"exactly 3 aux layer ids are needed, got {list(value)}")
         return value
+
+    @field_validator("capture_layer_ids", mode="before")
+    @classmethod
+    def _capture_layer_ids(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.replace(",", " ").split()
+        if isinstance(value, list | tuple) and not 1 <= len(value) <= MAX_CAPTURE_LAYERS:
+            raise ValueError(f"1 to {MAX_CAPTURE_LAYERS} capture layer ids are needed, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _layer_ids(self) -> ServerSettings:
+        """What can be checked before the model's depth is known: distinct ids, the aux layers captured."""
+        for name, ids in (
+            ("aux_layer_ids", self.aux_layer_ids),
+            ("capture_layer_ids", self.capture_layer_ids),
+        ):
+            if ids is not None and (len(set(ids)) != len(ids) or min(ids) < 0):
+                raise ValueError(f"{name} must be distinct non-negative layer ids, got {list(ids)}")
+        if self.aux_layer_ids is not None and self.capture_layer_ids is not None:
+            missing = [i for i in self.aux_layer_ids if i not in self.capture_layer_ids]
+            if missing:
+                raise ValueError(
+                    f"the aux layers {list(self.aux_layer_ids)} must be captured, but capture_layer_ids "
+                    f"{list(self.capture_layer_ids)} lacks {missing}"
+                )
+        return self
 
     @field_validator("engine_args", mode="before")
     @classmethod

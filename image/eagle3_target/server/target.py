@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 import eagle3_target
+from eagle3_target.contract import capture_plan
 from eagle3_target.engines import ENGINES
-from eagle3_target.protocol import FORMATS, LoadPhase, TargetInfo
+from eagle3_target.protocol import SERVED_FORMATS, LoadPhase, TargetInfo
 from eagle3_target.runners import TargetRunner, load_runner, model_info
 from eagle3_target.runners.base import text_config
 from eagle3_target.server.fingerprint import model_fingerprint
@@ -68,23 +69,41 @@ def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
 
 
 def run_canary(runner: TargetRunner, *, hidden_size: int, vocab_size: int) -> None:
-    """One short forward whose output must be finite, shaped per the config, with non-zero aux layers."""
+    """One short forward whose output must be finite, shaped per the config, with no captured layer all
+    zeros."""
     input_ids = (torch.arange(CANARY_TOKENS, dtype=torch.int64) * 7919 % vocab_size).unsqueeze(0)
+    layers = runner.capture_layer_ids
     with torch.inference_mode():
-        logits, aux = runner.forward_eagle3(input_ids, torch.ones_like(input_ids))
+        logits, captured = runner.forward_eagle3(input_ids, torch.ones_like(input_ids))
     if tuple(logits.shape) != (1, CANARY_TOKENS, vocab_size):
         raise CanaryError(
             f"canary logits have shape {tuple(logits.shape)}, expected (1, {CANARY_TOKENS}, {vocab_size})"
         )
-    if tuple(aux.shape) != (1, CANARY_TOKENS, 3 * hidden_size):
-        raise CanaryError(
-            f"canary aux has shape {tuple(aux.shape)}, expected (1, {CANARY_TOKENS}, {3 * hidden_size})"
-        )
-    if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(aux).all()):
+    expected = (1, CANARY_TOKENS, len(layers) * hidden_size)
+    if tuple(captured.shape) != expected:
+        raise CanaryError(f"canary captured layers have shape {tuple(captured.shape)}, expected {expected}")
+    if not bool(torch.isfinite(logits).all()) or not bool(torch.isfinite(captured).all()):
         raise CanaryError("canary forward produced non-finite values")
-    for i, layer in enumerate(aux.split(hidden_size, dim=-1)):
+    for layer_id, layer in zip(layers, captured.split(hidden_size, dim=-1), strict=True):
         if not bool(layer.any()):
-            raise CanaryError(f"canary aux layer {runner.aux_layer_ids[i]} is all zeros")
+            raise CanaryError(f"canary captured layer {layer_id} is all zeros")
+
+
+def plan_layers(settings: ServerSettings) -> tuple[list[int], list[int]]:
+    """The (aux, capture) layer ids to serve, checked against the model's depth before anything loads."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        settings.model, local_files_only=True, trust_remote_code=settings.trust_remote_code
+    )
+    num_layers = int(text_config(config).num_hidden_layers)
+    try:
+        return capture_plan(num_layers, settings.aux_layer_ids, settings.capture_layer_ids)
+    except ValueError as exc:
+        raise LoadFailed(
+            f"the layer ids do not fit this model: {exc}; fix --aux-layer-ids / --capture-layer-ids "
+            "(spec.auxLayerIds / spec.captureLayerIds)"
+        ) from None
 
 
 def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) -> LoadedTarget:
@@ -95,6 +114,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
     kwargs = engine_kwargs(settings)
     preflight(settings.model, settings.engine, kwargs)
     wait_for_weights(Path(settings.model), tracker)
+    aux_ids, capture_ids = plan_layers(settings)
     message = ENGINES[settings.engine].loading_message
     tracker.update(LoadPhase.LOADING, message)
     with weight_loading_progress(tracker, message):
@@ -102,7 +122,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
             settings.engine,
             settings.model,
             dtype=settings.dtype,
-            aux_layer_ids=list(settings.aux_layer_ids) if settings.aux_layer_ids else None,
+            capture_layer_ids=capture_ids,
             trust_remote_code=settings.trust_remote_code,
             **kwargs,
         )
@@ -118,7 +138,9 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
     # An engine may take fewer tokens than its context (vLLM keeps one slot for the generated token).
     max_len = min(max_len, getattr(runner, "max_prompt_len", max_len))
     dtype_name = str(facts.dtype).removeprefix("torch.")
-    aux_ids = list(runner.aux_layer_ids)
+    if runner.capture_layer_ids != capture_ids:
+        runner.close()
+        raise LoadFailed(f"the engine captures layers {runner.capture_layer_ids}, not {capture_ids}")
     fingerprint = model_fingerprint(
         settings.model,
         model_name=settings.display_name,
@@ -126,6 +148,7 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
         dtype=dtype_name,
         engine=settings.engine,
         aux_layer_ids=aux_ids,
+        capture_layer_ids=capture_ids,
     )
     info = TargetInfo(
         model=settings.display_name,
@@ -136,8 +159,9 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
         hidden_size=facts.hidden_size,
         vocab_size=facts.vocab_size,
         aux_layer_ids=aux_ids,
+        capture_layer_ids=capture_ids,
         fingerprint=fingerprint,
-        formats=list(FORMATS),
+        formats=list(SERVED_FORMATS),
         max_batch_tokens=settings.max_batch_tokens,
         max_response_bytes=settings.response_byte_limit,
         max_model_len=int(max_len),
