@@ -28,6 +28,12 @@ def reference_runner(server_model_dir: Path) -> TargetRunner:
     return load_runner("hf", server_model_dir, dtype="float32", device="cpu")
 
 
+# The main server captures five layers in no sorted order: the last one (L-1, the pre-norm last state) and
+# the default aux layers [1, 3, 4] among them, so every EAGLE-3 format is served from a capture set wider
+# than its aux layers.
+CAPTURE_LAYER_IDS = "7,1,3,0,4"
+
+
 @pytest.fixture(scope="session")
 def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(
@@ -40,6 +46,7 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "--max-model-len", str(MAX_MODEL_LEN),
             "--model-name", "tiny-llama",
             "--revision", "r1",
+            "--capture-layer-ids", CAPTURE_LAYER_IDS,
         ],
     )  # fmt: skip
     yield proc

@@ -15,6 +15,9 @@ def test_one_flag_per_setting():
     assert set(params) == set(ServerSettings.model_fields)
     assert params["engine_args"].opts == ["--engine-arg"] and params["engine_args"].multiple
     assert params["aux_layer_ids"].nargs == 3
+    assert params["capture_layer_ids"].nargs == 1  # one comma-separated word, any number of ids
+    ctx = serve_command().make_context("serve", ["--model", "/m", "--capture-layer-ids", "7,1,3"])
+    assert ServerSettings(**given_flags(ctx.params)).capture_layer_ids == (7, 1, 3)
 
 
 def test_only_given_flags_reach_the_settings():

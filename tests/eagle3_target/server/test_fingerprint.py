@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from eagle3_target.server.fingerprint import model_fingerprint, sample_offsets, weight_file_digest
@@ -21,6 +23,7 @@ def test_fingerprint_is_stable_and_sensitive(tiny_llama_dir: Path, tmp_path: Pat
             "dtype": "float32",
             "engine": "hf",
             "aux_layer_ids": [1, 3, 4],
+            "capture_layer_ids": [1, 3, 4],
         }
         return model_fingerprint(str(path), **(args | overrides))
 
@@ -30,9 +33,23 @@ def test_fingerprint_is_stable_and_sensitive(tiny_llama_dir: Path, tmp_path: Pat
         {"revision": "r2"},
         {"dtype": "bfloat16"},
         {"engine": "vllm"},
-        {"aux_layer_ids": [1, 3, 5]},
+        {"aux_layer_ids": [1, 3, 5], "capture_layer_ids": [1, 3, 5]},
+        {"capture_layer_ids": [1, 3, 4, 7]},
+        {"capture_layer_ids": [4, 3, 1]},
     ):
         assert fingerprint(tiny_llama_dir, **change) != base
+    # A target capturing only its aux layers keeps the fingerprint of the servers before capture sets, so
+    # an upgrade does not break its clients' pins: the identity document has no capture set then.
+    identity = {
+        "model": "m",
+        "revision": "r",
+        "dtype": "float32",
+        "engine": "hf",
+        "aux_layer_ids": [1, 3, 4],
+        "weights": {p.name: weight_file_digest(p) for p in sorted(tiny_llama_dir.glob("*.safetensors"))},
+    }
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    assert base == "sha256:" + hashlib.sha256(canonical).hexdigest()
     # The same weights elsewhere are the same model.
     copy = tmp_path / "copy"
     copy.mkdir()

@@ -3,6 +3,7 @@ still arriving are waited for, and /readyz says which phase the load is in and h
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -163,11 +164,37 @@ def test_a_missing_model_directory_ends_the_server(tmp_path: Path):
 
 
 def test_a_load_that_fails_after_listening_ends_the_server_too(tiny_qwen3_dir: Path, tmp_path: Path):
-    args = ["--model", str(tiny_qwen3_dir), "--engine", "hf", "--aux-layer-ids", "0", "1", "99"]
-    exit_code, line, log = run_to_exit(tmp_path, args)
+    model = copy_model(tiny_qwen3_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"model_type": "no-such-architecture"}))
+    exit_code, line, log = run_to_exit(tmp_path, ["--model", str(model), "--engine", "hf"])
     assert exit_code == EXIT_LOAD_FAILED, log
-    assert line.startswith("model load failed: ValueError: aux layer id 99 is out of range"), line
+    assert line.startswith("model load failed: ValueError: "), line
+    assert "no-such-architecture" in line
     assert "Uvicorn running" in log and "Traceback" in log
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--aux-layer-ids", "0", "1", "99"], "aux layer id 99 is out of range for a model with 8 layers"),
+        (["--capture-layer-ids", "1,3,8"], "capture layer id 8 is out of range for a model with 8 layers"),
+        (
+            ["--capture-layer-ids", "1,3,5,7"],  # the default aux layers of 8 layers are [1, 3, 4]
+            "the aux layers [1, 3, 4] must be captured, but the capture set [1, 3, 5, 7] lacks [4]",
+        ),
+    ],
+)
+def test_layer_ids_that_do_not_fit_the_model_end_the_server_before_it_loads(
+    tiny_qwen3_dir: Path, tmp_path: Path, args: list[str], reason: str
+):
+    exit_code, line, log = run_to_exit(tmp_path, ["--model", str(tiny_qwen3_dir), "--engine", "hf", *args])
+    assert exit_code == EXIT_LOAD_FAILED, log
+    assert line.startswith(f"the layer ids do not fit this model: {reason}"), line
+    assert line.rstrip().endswith(
+        "fix --aux-layer-ids / --capture-layer-ids (spec.auxLayerIds / spec.captureLayerIds)"
+    )
+    assert "load: loading" not in log.lower() and "Traceback" not in log
 
 
 def test_readyz_reports_weights_still_arriving_then_serves(tiny_llama_dir: Path, tmp_path: Path):

@@ -46,8 +46,9 @@ def test_probes_and_info(server, server_model_dir, reference_runner):
         config.hidden_size,
         config.vocab_size,
     )
-    assert info["aux_layer_ids"] == reference_runner.aux_layer_ids == [1, 3, 4]
-    assert info["formats"] == ["hidden", "draft", "probs", "logits", "hidden_prenorm"]
+    assert info["aux_layer_ids"] == reference_runner.capture_layer_ids == [1, 3, 4]
+    assert info["capture_layer_ids"] == [7, 1, 3, 0, 4]  # as given, in that order
+    assert info["formats"] == ["hidden", "draft", "probs", "logits", "hidden_prenorm", "layers"]
     assert info["max_batch_tokens"] == MAX_BATCH_TOKENS
     assert info["max_response_bytes"] == ServerSettings(model="m").response_byte_limit  # the default here
     assert info["max_model_len"] == MAX_MODEL_LEN
@@ -58,6 +59,7 @@ def test_probes_and_info(server, server_model_dir, reference_runner):
         dtype="float32",
         engine="hf",
         aux_layer_ids=[1, 3, 4],
+        capture_layer_ids=[7, 1, 3, 0, 4],
     )
 
 
