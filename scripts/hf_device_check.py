@@ -93,7 +93,9 @@ def main(
         for dtype in [d.strip() for d in dtypes.split(",") if d.strip()]:
             reference, tested = (
                 supervision(
-                    HFRunner.from_pretrained(model_dir, dtype=dtype, device=where, aux_layer_ids=[5, 0, 3]),
+                    HFRunner.from_pretrained(
+                        model_dir, dtype=dtype, device=where, capture_layer_ids=[5, 0, 3]
+                    ),
                     input_ids,
                     mask,
                 )

@@ -58,18 +58,18 @@ class Suite(Reference):
     _runner: SGLangRunner | None = field(default=None, repr=False)
     _runner_args: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    def sglang(self, aux_layer_ids: list[int] | None = None, **engine_args: object) -> SGLangRunner:
+    def sglang(self, capture_layer_ids: list[int] | None = None, **engine_args: object) -> SGLangRunner:
         """The open runner if it has these engine arguments, else a fresh one with them."""
         args: dict[str, Any] = {**self.engine_args, "max_batch_tokens": str(self.max_batch_tokens)}
         args |= {key: str(value) for key, value in engine_args.items()}
         if self._runner is None or args != self._runner_args:
             self.close_sglang()
             self._runner = SGLangRunner.from_pretrained(
-                self.model, dtype=self.dtype, device=self.device, aux_layer_ids=aux_layer_ids, **args
+                self.model, dtype=self.dtype, device=self.device, capture_layer_ids=capture_layer_ids, **args
             )
             self._runner_args = args
-        elif aux_layer_ids is not None:
-            self._runner.set_aux_layers(aux_layer_ids)
+        elif capture_layer_ids is not None:
+            self._runner.set_capture_layers(capture_layer_ids)
         return self._runner
 
     def close_sglang(self) -> None:
@@ -83,7 +83,7 @@ class Suite(Reference):
 
 def check_agreement(suite: Suite) -> dict[str, Any]:
     """S1: a ragged batch at the default aux layers agrees with the HF engine."""
-    runner = suite.sglang(aux_layer_ids=None)
+    runner = suite.sglang(capture_layer_ids=None)
     return suite.compare(runner, *suite.batch(8, suite.seq_len))
 
 
@@ -93,7 +93,7 @@ def check_aux_order(suite: Suite) -> dict[str, Any]:
     layers = suite.num_layers()
     aux = [2 * layers // 3, 1, layers // 3 + 1]
     result = suite.compare(suite.sglang(aux), *suite.batch(4, max(8, suite.seq_len // 4)))
-    return result | {"requested": aux, "pass": result["pass"] and result["aux_layer_ids"] == aux}
+    return result | {"requested": aux, "pass": result["pass"] and result["capture_layer_ids"] == aux}
 
 
 def check_length_boundary(suite: Suite) -> dict[str, Any]:

@@ -77,12 +77,12 @@ class Suite(Reference):
         return self.engine_args | {key: str(value) for key, value in extra.items()}
 
     @contextlib.contextmanager
-    def vllm(self, aux_layer_ids: list[int] | None = None, **engine_args: object) -> Iterator[VLLMRunner]:
+    def vllm(self, capture_layer_ids: list[int] | None = None, **engine_args: object) -> Iterator[VLLMRunner]:
         runner = VLLMRunner.from_pretrained(
             self.model,
             dtype=self.dtype,
             device=self.device,
-            aux_layer_ids=aux_layer_ids,
+            capture_layer_ids=capture_layer_ids,
             hidden_states_dir=self.hidden_states_dir,
             **self.runner_args(engine_args),
         )
@@ -289,7 +289,7 @@ def main(
     checks: ChecksOption = "",
     dtype: DtypeOption = "bfloat16",
     device: DeviceOption = None,
-    aux_layer_ids: Annotated[list[int] | None, typer.Option(help="3 ids, repeat the flag")] = None,
+    capture_layer_ids: Annotated[list[int] | None, typer.Option(help="1 to 32 ids, repeat the flag")] = None,
     batch_size: Annotated[int, typer.Option()] = 8,
     seq_len: SeqLenOption = 2048,
     long_len: Annotated[int, typer.Option(help="C8's row length")] = 32768,
@@ -338,7 +338,7 @@ def main(
         if suite:
             passed = run_checks(CHECKS, context, selected)
         else:
-            with context.vllm(aux_layer_ids) as runner:
+            with context.vllm(capture_layer_ids) as runner:
                 result = context.compare(runner, *context.batch(batch_size, seq_len))
             print(
                 json.dumps({"check": "comparison", "model": str(model), "dtype": dtype} | result), flush=True

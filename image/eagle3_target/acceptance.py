@@ -147,9 +147,9 @@ class Reference:
 
     def compare(self, runner: TargetRunner, input_ids: Tensor, mask: Tensor) -> dict[str, Any]:
         """An engine runner's supervision against the HF engine's on one batch: top-1 agreement of the
-        logits, cosine of each aux layer and the logits' absolute difference, at the real positions."""
+        logits, cosine of each captured layer and the logits' absolute difference, at the real positions."""
         hf = self.hf()
-        hf.set_aux_layers(runner.aux_layer_ids)
+        hf.set_capture_layers(runner.capture_layer_ids)
         e_logits, e_aux = runner.forward_eagle3(input_ids, mask)
         h_logits, h_aux = hf.forward_eagle3(input_ids.to(self.device), mask.to(self.device))
         valid = mask.bool().to(self.device)
@@ -161,7 +161,7 @@ class Reference:
         logits_ok = self.max_mean_logit_diff is None or mean_diff <= self.max_mean_logit_diff
         return {
             "pass": argmax >= self.min_argmax and min(cosines) >= self.min_cosine and logits_ok,
-            "aux_layer_ids": runner.aux_layer_ids,
+            "capture_layer_ids": runner.capture_layer_ids,
             "tokens": int(mask.sum()),
             "argmax_agreement": round(argmax, 4),
             "aux_cosine_per_layer": [round(c, 5) for c in cosines],

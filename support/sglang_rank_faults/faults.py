@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
-from eagle3_target.runners.sglang_tp import KVPool
+from eagle3_target.runners.sglang_rank import KVPool
 
 # A batch holding one of these tokens fails: on every rank, as SGLang refuses a batch ("Prefill out of
 # memory", rank 0 last); on every rank with a CUDA error, which loses the device; or on rank 1 only, while
@@ -23,7 +23,7 @@ POOL = KVPool(tokens=64, rows=8, page=1)
 
 
 class FaultyRank:
-    """`sglang.RankCapture` over no model: a forward gives zeros of the right shapes, or its fault."""
+    """`sglang_rank.RankCapture` over no model: a forward gives zeros of the right shapes, or its fault."""
 
     dtype = torch.float32
     context_len = 32

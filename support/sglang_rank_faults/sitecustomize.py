@@ -4,10 +4,10 @@ so that the tests can read its tokens without patching SGLang in their own proce
 
 from __future__ import annotations
 
-import eagle3_target.runners.sglang as sglang
+import eagle3_target.runners.sglang_rank as sglang_rank
 
 # A top-level module here (this folder is on sys.path); to the tests, support.sglang_rank_faults.faults.
 from faults import FaultyRank  # type: ignore[import-not-found]
 
-sglang.start_model_runner = lambda server_args, tp_rank=0: tp_rank
-sglang.RankCapture = FaultyRank  # type: ignore[misc]
+sglang_rank.start_model_runner = lambda server_args, tp_rank=0: tp_rank
+sglang_rank.RankCapture = FaultyRank  # type: ignore[misc]

@@ -27,7 +27,7 @@ def test_cli_writes_a_loadable_model(tmp_path):
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (7, 32, 128)
     runner = HFRunner.from_pretrained(out, device="cpu")
-    assert runner.aux_layer_ids == [1, 2, 3]
+    assert runner.capture_layer_ids == [1, 2, 3]
     logits, aux = runner.forward_eagle3(torch.tensor([[1, 2, 3]]))
     assert logits.shape == (1, 3, 128) and aux.shape == (1, 3, 96)
 

@@ -44,7 +44,7 @@ def test_the_suite_passes_on_cpu_and_leaves_the_cuda_checks_open(script, tiny_ll
     assert code == 0
     agreement = results["S1-agreement"]
     assert agreement["argmax_agreement"] == 1.0 and agreement["mean_abs_logit_diff"] < 1e-4
-    assert results["S2-aux-order"]["aux_layer_ids"] == results["S2-aux-order"]["requested"] == [5, 1, 3]
+    assert results["S2-aux-order"]["capture_layer_ids"] == results["S2-aux-order"]["requested"] == [5, 1, 3]
     boundary = results["S3-length-boundary"]
     assert boundary["tokens"] == boundary["max_model_len"] == 16
     assert "takes at most 16" in boundary["longer_row_refused"]

@@ -43,7 +43,7 @@ def test_the_cpu_checks_pass_against_the_stand_in(script, model_dir, tmp_path):
     assert all(line["pass"] for line in lines), lines
     assert code == 0
     aux_order = lines[2]
-    assert aux_order["aux_layer_ids"] == aux_order["requested"] == [5, 1, 3]
+    assert aux_order["capture_layer_ids"] == aux_order["requested"] == [5, 1, 3]
 
 
 def test_cuda_only_checks_say_why_on_cpu_and_pass_nothing(script, model_dir, tmp_path):

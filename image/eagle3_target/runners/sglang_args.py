@@ -34,7 +34,7 @@ RUNNER_OWNED_ARGS: dict[str, str] = {
     "context_length": "pass --max-model-len (spec.engine's maxModelLen)",
     "enable_return_aux_hidden_states": "the runner turns on SGLang's aux capture",
     "speculative_algorithm": "the runner names the EAGLE-3 capture convention",
-    "return_aux_hidden_state_layer_ids": "pass the aux layers to the server (--aux-layer-ids)",
+    "return_aux_hidden_state_layer_ids": "the runner sets its capture layers itself (--capture-layer-ids)",
     "speculative_draft_model_path": "the runner captures the target's layers and runs no draft",
     "disable_radix_cache": "the runner keeps SGLang's prefix cache off so every position is computed",
 }
@@ -160,13 +160,15 @@ def server_args_for(
     *,
     dtype: torch.dtype | str | None,
     device: str,
-    aux_layer_ids: Sequence[int],
     trust_remote_code: bool,
     max_batch_tokens: int | None,
     engine_kwargs: Mapping[str, object],
 ) -> Any:
-    """SGLang's `ServerArgs`: the runner's flags (aux capture with the project's ids, no tokenizer, no
-    prefix cache, no CUDA graphs: an extend runs eagerly and the capture list may change) plus the user's."""
+    """SGLang's `ServerArgs`: the runner's flags (aux capture, no tokenizer, no prefix cache, no CUDA graphs:
+    an extend runs eagerly and the capture list may change) plus the user's. The capture layers are not
+    among them: the runner sets them on the model (`sglang_rank.RankCapture.set_layers`), and SGLang's
+    first-forward check of their number against `--return-aux-hidden-state-layer-ids` would fail a capture
+    set that changes size or holds the last layer (SGLang cannot capture it; the runner takes it itself)."""
     options = {k: v for k, v in engine_kwargs.items() if k in RUNNER_OPTIONS}
     user = {k: v for k, v in engine_kwargs.items() if k not in RUNNER_OPTIONS}
     flags = user_flags(user)
@@ -182,7 +184,6 @@ def server_args_for(
         "--cuda-graph-backend-prefill=disabled",
         "--enable-return-aux-hidden-states",
         "--speculative-algorithm", "EAGLE3",
-        "--return-aux-hidden-state-layer-ids", *(str(i) for i in sorted(aux_layer_ids)),
     ]  # fmt: skip
     if trust_remote_code:
         runner_flags.append("--trust-remote-code")

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from eagle3_target.runners.base import ModelRefused, process_lost
+from eagle3_target.runners.sglang_rank import KVPool, RankCapture, start_model_runner
 
 # SGLang's CPU thread binding (`srt/utils/numa_utils.py` `init_threads_binding`): without it, every rank
 # needs a NUMA node of its own; the runner then gives each rank an equal share of this process's CPUs.
@@ -59,7 +60,6 @@ def cpu_shares(cpus: list[int], ranks: int) -> list[list[int]]:
 
 def _serve(server_args: Any, tp_rank: int, env: dict[str, str], conn: Connection) -> None:
     """A rank's process: start its model runner, report, then run the commands until `close`."""
-    from eagle3_target.runners.sglang import RankCapture, start_model_runner
 
     os.environ.update(env)
     try:
@@ -95,25 +95,6 @@ def _serve(server_args: Any, tp_rank: int, env: dict[str, str], conn: Connection
             torch.save(result, buffer)
             payload = buffer.getvalue()
         conn.send(("ok", payload))
-
-
-class KVPool(NamedTuple):
-    """What SGLang allocated at start for the one batch a rank holds at a time: KV cache slots (tokens),
-    request slots (rows), and the page size each row's slots are rounded up to."""
-
-    tokens: int
-    rows: int
-    page: int
-
-    def refusal(self, lengths: list[int]) -> str | None:
-        """Why a batch of rows of `lengths` does not fit (SGLang's allocation would fail it, and not with
-        its own message: the runner has no prefix cache to evict from), or None when it does."""
-        slots = sum(-(-n // self.page) * self.page for n in lengths)
-        if len(lengths) > self.rows:
-            return f"the batch has {len(lengths)} rows; the engine's request pool holds {self.rows}"
-        if slots > self.tokens:
-            return f"the batch needs {slots} KV cache slots; the engine's KV cache holds {self.tokens}"
-        return None
 
 
 @dataclass

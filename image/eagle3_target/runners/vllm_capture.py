@@ -2,49 +2,63 @@
 
 vLLM's capture id `k` is the residual stream entering decoder layer `k` (id `L`: before the final norm);
 `ExampleHiddenStatesConnector` writes one safetensors file per request, in a writer thread of the engine
-process, a step after the request finished. These functions map HF aux ids to capture ids and back, wait
-for a file with a bound, refuse a bad file, delete files safely and rebuild the final norm and logprobs.
+process, a step after the request finished. These functions map HF capture ids to vLLM's and back, wait
+for a file with a bound, refuse a bad file, delete files safely, rebuild the final norm and check the
+rebuilt logits against vLLM's own at startup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3_target.contract import validate_aux_layer_ids
+from eagle3_target.contract import validate_capture_layer_ids
+from eagle3_target.runners.base import ModelRefused
+
+if TYPE_CHECKING:
+    from eagle3_target.runners.vllm import VLLMRunner
 
 HIDDEN_STATES_CONNECTOR = "ExampleHiddenStatesConnector"
 HIDDEN_STATES_PATH_KEY = "hidden_states_path"
 
+# Startup check of the logits rebuild against vLLM's own logits at each prompt's last position: prompts,
+# their length, the share of greedy tokens that must agree (bf16 kernels differ between the rebuild and
+# vLLM, so near-ties may flip a few), how many of vLLM's top log-probabilities are compared (vLLM's default
+# max_logprobs), the largest difference allowed (bf16 differences are ~0.1) and how far from 1 the scale
+# between the two may be (a logit scale keeps every greedy token; `compare_logprobs`).
+REBUILD_CHECK_PROMPTS = 8
+REBUILD_CHECK_TOKENS = 16
+REBUILD_CHECK_MIN_AGREEMENT = 0.75
+REBUILD_CHECK_LOGPROBS = 20
+REBUILD_CHECK_MAX_LOGPROB_DIFF = 1.0
+REBUILD_CHECK_MAX_SCALE_ERROR = 0.05
 
-def capture_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM capture ids for HF aux ids: id `k` is the residual entering layer `k`, so HF `a` -> `a+1`; plus L.
 
-    Aux id `L-1` would capture `L`, the final pre-norm state asked for separately; vLLM dedups the ids and
-    the file would hold one layer fewer, so it is refused.
+def vllm_capture_ids(capture_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM capture ids, ascending, for a capture set of HF ids: id `k` is the residual entering layer `k`,
+    so HF `a` -> `a+1`, plus `L`, the final pre-norm state the runner rebuilds the logits from.
+
+    HF `L-1` is that same state, so it maps to `L`, captured once (vLLM dedups a repeated id and its file
+    would hold one layer fewer). Ascending because native model classes write the layers ascending whatever
+    the order (vLLM 0.33's `EagleModelMixin._set_aux_hidden_state_layers`) and the Transformers backend in
+    the order it is given (`TransformersBase.set_aux_hidden_state_layers`): sent sorted, both write
+    ascending, and the final state is the file's last slot.
     """
-    ids = validate_aux_layer_ids(aux_layer_ids, num_layers)
-    if num_layers - 1 in ids:
-        raise ValueError(
-            f"aux layer id {num_layers - 1} (the last decoder layer) is not supported by the vLLM engine: "
-            f"its capture id {num_layers} is the final pre-norm hidden state the runner already captures"
-        )
-    return [a + 1 for a in ids] + [num_layers]
+    ids = validate_capture_layer_ids(capture_layer_ids, num_layers)
+    return sorted({a + 1 for a in ids} | {num_layers})
 
 
-def file_positions(capture_ids: Sequence[int]) -> list[int]:
-    """Index of each capture id in vLLM's file when the engine was given the ids ascending.
-
-    Native model classes store the ids sorted (vLLM 0.33's `EagleModelMixin._set_aux_hidden_state_layers`);
-    the Transformers backend keeps the order it is given (`TransformersBase.set_aux_hidden_state_layers`).
-    The runner sends them sorted, so both write ascending.
-    """
-    ascending = sorted(capture_ids)
-    return [ascending.index(i) for i in capture_ids]
+def file_positions(capture_layer_ids: Sequence[int], engine_ids: Sequence[int]) -> list[int]:
+    """The file slot of each HF capture id, in the capture set's order, when vLLM captured `engine_ids`
+    (`vllm_capture_ids`)."""
+    return [list(engine_ids).index(a + 1) for a in capture_layer_ids]
 
 
 def rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -159,3 +173,48 @@ def compare_logprobs(rebuilt: Sequence[Tensor], engine: Sequence[Tensor]) -> tup
     scale = float((ours * theirs).sum() / (ours * ours).sum().clamp_min(1e-12))
     max_diff = max(float((r.double() - e.double()).abs().max()) for r, e in zip(rebuilt, engine, strict=True))
     return scale, max_diff
+
+
+def check_logits_rebuild(runner: VLLMRunner) -> None:
+    """The logits rebuilt from the captured final state must be vLLM's own, in value, not only argmax.
+
+    At each check prompt's last position vLLM samples greedily and returns its top log-probabilities
+    (`logprobs_mode="raw_logprobs"`, the default: the model's logits before any sampling processing).
+    A model whose final norm or head differs from the rebuild (a `(1 + w)` RMSNorm, a logit scale, a
+    capture id `L` that is not the true final state) fails here, at startup, instead of serving wrong
+    supervision; a scale keeps every greedy token, so the log-probabilities are compared too.
+    """
+    from vllm import SamplingParams
+
+    head = runner.model
+    gen = torch.Generator().manual_seed(0)
+    length = min(REBUILD_CHECK_TOKENS, runner.max_prompt_len)
+    prompts = torch.randint(0, head.config.vocab_size, (REBUILD_CHECK_PROMPTS, length), generator=gen)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=REBUILD_CHECK_LOGPROBS)
+    agreeing = 0
+    rebuilt: list[Tensor] = []
+    engine: list[Tensor] = []
+    with contextlib.closing(runner.capture(prompts.tolist(), params)) as captures:
+        for states, completion in captures:
+            last = states[-1:, -1].to(device=head.norm.device, dtype=head.norm.dtype)  # h_L: the last slot
+            normed = rms_norm(last, head.norm, head.config.rms_norm_eps)
+            logits = F.linear(normed, head.lm_head)[0].float()
+            agreeing += int(logits.argmax().item() == completion.token_ids[0])
+            top = completion.logprobs[0]
+            rebuilt.append(torch.log_softmax(logits, dim=-1)[list(top)].cpu())
+            engine.append(torch.tensor([lp.logprob for lp in top.values()], dtype=torch.float64))
+    scale, max_diff = compare_logprobs(rebuilt, engine)
+    if (
+        agreeing < REBUILD_CHECK_MIN_AGREEMENT * REBUILD_CHECK_PROMPTS
+        or max_diff > REBUILD_CHECK_MAX_LOGPROB_DIFF
+        or abs(scale - 1) > REBUILD_CHECK_MAX_SCALE_ERROR
+    ):
+        raise ModelRefused(
+            "the logits rebuilt from vLLM's captured final hidden state are not vLLM's own: they pick "
+            f"vLLM's greedy token for {agreeing} of {REBUILD_CHECK_PROMPTS} prompts (at least "
+            f"{REBUILD_CHECK_MIN_AGREEMENT:.0%} needed), their log-probabilities differ from vLLM's by "
+            f"up to {max_diff:.3f} (at most {REBUILD_CHECK_MAX_LOGPROB_DIFF} allowed), and vLLM's logits "
+            f"are {scale:.3f} times the rebuilt ones (1 ± {REBUILD_CHECK_MAX_SCALE_ERROR} allowed): this "
+            "model's final norm or LM head is not the Llama-style one the vLLM runner reproduces; use "
+            "--engine hf"
+        )

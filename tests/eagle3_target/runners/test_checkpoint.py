@@ -16,7 +16,7 @@ def test_sharded_checkpoint_head_weights_match_the_model(tmp_path):
     model_dir = write_tiny_model(tmp_path / "sharded", arch="llama", num_layers=4, max_shard_size="20KB")
     files = tensor_files(model_dir)
     assert len(set(files.values())) > 1, "the checkpoint should be sharded"
-    hf = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu", aux_layer_ids=[0, 1, 2])
+    hf = HFRunner.from_pretrained(model_dir, dtype="float32", device="cpu", capture_layer_ids=[0, 1, 2])
     weights = load_head_weights(
         model_dir,
         vocab_size=256,

@@ -38,7 +38,7 @@ MAX_BATCH_TOKENS = 2048
 def engines(tiny_llama_dir: Path, tiny_qwen3_dir: Path) -> Iterator[OneEngine]:
     opened = OneEngine(
         {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir},
-        aux_layer_ids=AUX,
+        capture_layer_ids=AUX,
         max_batch_tokens=MAX_BATCH_TOKENS,
         max_model_len=MAX_MODEL_LEN,
         max_running_requests="7",
@@ -51,7 +51,10 @@ def test_the_engine_arguments_reach_sglang(engines):
     runner = engines["llama"]
     args = runner.engine.server_args
     assert args.max_running_requests == 7 and args.context_length == MAX_MODEL_LEN
-    assert args.enable_return_aux_hidden_states and args.return_aux_hidden_state_layer_ids == [0, 3, 5]
+    # The runner sets the capture list on the model itself (SGLang's layer indices: HF id + 1), not through
+    # --return-aux-hidden-state-layer-ids, whose first-forward count check a capture set may outgrow.
+    assert args.enable_return_aux_hidden_states and args.return_aux_hidden_state_layer_ids is None
+    assert runner.placements()[0][3] == [1, 4, 6]
     assert args.disable_radix_cache and args.skip_tokenizer_init and args.device == "cpu"
     # The CPU KV cache holds a whole batch; the longest row is captured at every position, one more refused.
     assert runner.engine.max_total_num_tokens >= MAX_BATCH_TOKENS
@@ -83,29 +86,31 @@ def test_a_second_engine_in_the_process_is_refused(engines, tiny_qwen3_dir):
         SGLangRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
 
 
-def test_set_aux_layers_changes_the_capture_without_a_reload(engines, tiny_llama_dir):
+def test_set_capture_layers_changes_the_capture_without_a_reload(engines, tiny_llama_dir):
     runner = engines["llama"]
     before = runner.engine
     input_ids, mask = ragged_rows(256)
     valid = mask.bool()
     try:
-        runner.set_aux_layers([4, 1, 3])
-        assert runner.engine is before and runner.aux_layer_ids == [4, 1, 3]
-        hf = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[4, 1, 3])
+        runner.set_capture_layers([4, 1, 3])
+        assert runner.engine is before and runner.capture_layer_ids == [4, 1, 3]
+        hf = HFRunner.from_pretrained(
+            tiny_llama_dir, dtype="float32", device="cpu", capture_layer_ids=[4, 1, 3]
+        )
         logits, aux = runner.forward_eagle3(input_ids, mask)
         hf_logits, hf_aux = hf.forward_eagle3(input_ids, mask)
         torch.testing.assert_close(aux[valid], hf_aux[valid], atol=ATOL, rtol=ATOL)
         torch.testing.assert_close(logits[valid], hf_logits[valid], atol=ATOL, rtol=ATOL)
     finally:
-        runner.set_aux_layers(AUX)
+        runner.set_capture_layers(AUX)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_every_format_matches_the_hf_engine(engines, arch, tiny_llama_dir, tiny_qwen3_dir):
     runner = engines[arch]
     path = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=AUX)
-    assert runner.aux_layer_ids == AUX and runner.model.norm.dtype == torch.float32
+    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", capture_layer_ids=AUX)
+    assert runner.capture_layer_ids == AUX and runner.model.norm.dtype == torch.float32
     input_ids, mask = ragged_rows(runner.model.config.vocab_size)
     valid = mask.bool()
     assert_every_format_matches(runner, hf, input_ids, mask, ATOL)

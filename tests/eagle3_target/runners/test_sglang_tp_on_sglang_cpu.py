@@ -54,7 +54,7 @@ def before() -> Before:
 
 @pytest.fixture(scope="module")
 def engine(paths: dict[str, Path], before: Before) -> Iterator[OneEngine]:
-    opened = OneEngine(paths, aux_layer_ids=AUX, **OPTIONS)
+    opened = OneEngine(paths, capture_layer_ids=AUX, **OPTIONS)
     yield opened
     opened.close()
 
@@ -92,7 +92,7 @@ def test_a_batch_budget_beyond_the_kv_cache_is_refused_at_load(paths):
 
 def test_a_batch_sglang_refuses_fails_alone_and_the_ranks_serve_on(engine, paths):
     runner = engine["llama"]
-    hf = HFRunner.from_pretrained(paths["llama"], dtype="float32", device="cpu", aux_layer_ids=AUX)
+    hf = HFRunner.from_pretrained(paths["llama"], dtype="float32", device="cpu", capture_layer_ids=AUX)
     pool = runner._ranks.pool
     assert pool.tokens >= OPTIONS["max_batch_tokens"]
     rows = pool.tokens // 100 + 1
@@ -115,26 +115,28 @@ def test_two_ranks_each_hold_half_the_heads(engine):
     assert runner.placements() == [(0, 2, 1, [1, 4, 6]), (1, 2, 1, [1, 4, 6])]
 
 
-def test_set_aux_layers_reaches_every_rank(engine, paths):
+def test_set_capture_layers_reaches_every_rank(engine, paths):
     runner = engine["llama"]
     input_ids, mask = ragged_rows(256)
     valid = mask.bool()
     try:
-        runner.set_aux_layers([4, 1, 3])
+        runner.set_capture_layers([4, 1, 3])
         assert [p[3] for p in runner.placements()] == [[2, 4, 5], [2, 4, 5]]
-        hf = HFRunner.from_pretrained(paths["llama"], dtype="float32", device="cpu", aux_layer_ids=[4, 1, 3])
+        hf = HFRunner.from_pretrained(
+            paths["llama"], dtype="float32", device="cpu", capture_layer_ids=[4, 1, 3]
+        )
         _, aux = runner.forward_eagle3(input_ids, mask)
         _, hf_aux = hf.forward_eagle3(input_ids, mask)
         torch.testing.assert_close(aux[valid], hf_aux[valid], atol=ATOL, rtol=ATOL)
     finally:
-        runner.set_aux_layers(AUX)
+        runner.set_capture_layers(AUX)
     assert [p[3] for p in runner.placements()] == [[1, 4, 6], [1, 4, 6]]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_every_format_matches_the_hf_engine(engine, paths, arch):
     runner = engine[arch]
-    hf = HFRunner.from_pretrained(paths[arch], dtype="float32", device="cpu", aux_layer_ids=AUX)
+    hf = HFRunner.from_pretrained(paths[arch], dtype="float32", device="cpu", capture_layer_ids=AUX)
     input_ids, mask = ragged_rows(runner.model.config.vocab_size)
     assert_every_format_matches(runner, hf, input_ids, mask, ATOL)
     prenorm, _ = runner.forward_hidden(input_ids, mask, prenorm=True)

@@ -35,9 +35,9 @@ def test_matches_hf_runner_on_ragged_batch(model_dir, registered, request, fake_
     must still come back in order."""
     path = request.getfixturevalue(model_dir)
     aux = [5, 0, 3]
-    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=aux)
+    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", capture_layer_ids=aux)
     served = path if registered else copy_model(path, tmp_path / "m", architectures=["TinyForCausalLM"])
-    runner = open_runner(served, shm, aux_layer_ids=aux)
+    runner = open_runner(served, shm, capture_layer_ids=aux)
     assert fake_vllm.LLM.created[-1].backend == ("vllm" if registered else "transformers")
     input_ids, mask = ragged_batch(hf.model.config.vocab_size)
 
@@ -68,7 +68,7 @@ def test_weights_and_model_info_match_hf(tiny_qwen3_dir, fake_vllm, shm):
     hf = HFRunner.from_pretrained(tiny_qwen3_dir, dtype="float32", device="cpu")
     runner = open_runner(tiny_qwen3_dir, shm / "created" / "on-demand")
     assert isinstance(runner, TargetRunner)
-    assert runner.aux_layer_ids == hf.aux_layer_ids == [1, 3, 4]
+    assert runner.capture_layer_ids == hf.capture_layer_ids == [1, 3, 4]
     assert torch.equal(runner.input_embedding_weight(), hf.input_embedding_weight())
     assert torch.equal(runner.lm_head_weight(), hf.lm_head_weight())  # tied: the input embeddings
     assert torch.equal(runner.final_norm_weight(), hf.final_norm_weight())
@@ -102,7 +102,7 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
         tiny_llama_dir,
         dtype=torch.float32,
         device="cpu",
-        aux_layer_ids=[6, 1, 3],
+        capture_layer_ids=[6, 1, 3],
         hidden_states_dir=shm,
         **{"gpu-memory-utilization": "0.6", "max_model_len": "512", "enforce_eager": "true"},
     )
@@ -129,7 +129,7 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
         "enforce_eager": True,
     }
     assert runner.hidden_states_dir.parent == shm
-    assert runner.aux_layer_ids == [6, 1, 3]
+    assert runner.capture_layer_ids == [6, 1, 3]
     runner.close()
     assert not llm.llm_engine.engine_core.running
     assert not runner.hidden_states_dir.exists()
@@ -138,7 +138,7 @@ def test_engine_receives_capture_config_and_typed_engine_args(tiny_llama_dir, fa
 def test_runner_options_are_the_from_pretrained_keywords_vllm_never_sees():
     parameters = inspect.signature(VLLMRunner.from_pretrained).parameters.values()
     keywords = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
-    assert keywords - {"dtype", "aux_layer_ids", "device", "trust_remote_code"} == RUNNER_OPTIONS
+    assert keywords - {"dtype", "capture_layer_ids", "device", "trust_remote_code"} == RUNNER_OPTIONS
     check_engine_args("vllm", {"hidden_states_dir": "/dev/shm", "enforce_eager": "true"})
     with pytest.raises(ModelRefused, match="unknown engine argument no_such_arg"):
         check_engine_args("vllm", {"no_such_arg": 2})
@@ -177,16 +177,20 @@ def test_server_loads_the_vllm_engine_and_passes_its_canary(tiny_qwen3_dir, fake
     target.runner.close()
 
 
-def test_set_aux_layers_restarts_engine_only_on_change(tiny_llama_dir, fake_vllm, shm):
+def test_set_capture_layers_restarts_engine_only_for_other_vllm_layers(tiny_llama_dir, fake_vllm, shm):
     runner = open_runner(tiny_llama_dir, shm)
     first = fake_vllm.LLM.created[-1]
-    runner.set_aux_layers([1, 3, 4])
-    assert fake_vllm.LLM.created == [first]
-    runner.set_aux_layers([0, 2, 5])
+    runner.set_capture_layers([1, 3, 4])
+    runner.set_capture_layers([4, 1, 3])  # the same layers in another order: the same engine
+    assert fake_vllm.LLM.created == [first] and runner.capture_layer_ids == [4, 1, 3]
+    runner.set_capture_layers([0, 2, 5])
     second = fake_vllm.LLM.created[-1]
     assert second is not first and not first.llm_engine.engine_core.running
     assert second.capture_layers == (1, 3, 6, 8)
-    assert runner.aux_layer_ids == [0, 2, 5]
+    assert runner.capture_layer_ids == [0, 2, 5]
+    # The last layer (7) is vLLM's capture id 8, the final state it captures anyway: captured once.
+    runner.set_capture_layers([7, 2])
+    assert fake_vllm.LLM.created[-1].capture_layers == (3, 8)
     runner.close()
 
 

@@ -1,5 +1,5 @@
-"""The vLLM capture layout and its files (runners/vllm_capture.py): HF aux ids to vLLM capture ids and back
-to the requested order, and, through the runner on the vLLM stand-in, bad, failed, stalled and aborted
+"""The vLLM capture layout and its files (runners/vllm_capture.py): HF capture ids to vLLM capture ids and
+back to the requested order, and, through the runner on the vLLM stand-in, bad, failed, stalled and aborted
 captures as clear errors that leave no file behind."""
 
 from __future__ import annotations
@@ -8,24 +8,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from eagle3_target.runners.vllm_capture import capture_layer_ids, file_positions
+from eagle3_target.runners.vllm_capture import file_positions, vllm_capture_ids
 
 from support.vllm_runner import open_runner, ragged_batch
 
 
 def test_capture_ids_and_file_order():
-    assert capture_layer_ids([1, 15, 28], 32) == [2, 16, 29, 32]
-    assert capture_layer_ids([28, 1, 15], 32) == [29, 2, 16, 32]
-    assert file_positions([29, 2, 16, 32]) == [2, 0, 1, 3]
-    with pytest.raises(ValueError, match="aux layer id 31"):
-        capture_layer_ids([1, 15, 31], 32)
+    assert vllm_capture_ids([1, 15, 28], 32) == [2, 16, 29, 32]
+    assert vllm_capture_ids([28, 1, 15], 32) == [2, 16, 29, 32]
+    assert file_positions([28, 1, 15], [2, 16, 29, 32]) == [2, 0, 1]
+    # The last layer is the final pre-norm state vLLM captures as id L anyway: asked for once.
+    assert vllm_capture_ids([31, 0], 32) == [1, 32]
+    assert file_positions([31, 0], [1, 32]) == [1, 0]
+    with pytest.raises(ValueError, match="capture layer id 32 is out of range"):
+        vllm_capture_ids([1, 15, 32], 32)
     with pytest.raises(ValueError, match="distinct"):
-        capture_layer_ids([1, 1, 2], 32)
+        vllm_capture_ids([1, 1, 2], 32)
 
 
-def test_last_decoder_layer_is_refused(tiny_llama_dir, fake_vllm, shm):
-    with pytest.raises(ValueError, match=r"aux layer id 7 .*final pre-norm"):
-        open_runner(tiny_llama_dir, shm, aux_layer_ids=[1, 3, 7])
+def test_a_bad_capture_set_is_refused_before_the_engine_starts(tiny_llama_dir, fake_vllm, shm):
+    with pytest.raises(ValueError, match=r"capture layer id 8 is out of range"):
+        open_runner(tiny_llama_dir, shm, capture_layer_ids=[1, 3, 8])
     assert fake_vllm.LLM.created == []
     assert list(shm.iterdir()) == [], "a failed start must not leave its capture directory behind"
 

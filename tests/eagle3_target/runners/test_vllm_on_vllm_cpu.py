@@ -45,7 +45,7 @@ def engines(tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory) -> Iterator[dict[s
             runner = open_runner(
                 paths[name],
                 tmp_path_factory.mktemp(f"shm-{name}"),
-                aux_layer_ids=AUX,
+                capture_layer_ids=AUX,
                 max_batch_tokens=MAX_BATCH_TOKENS,
                 max_model_len=MAX_MODEL_LEN,
                 max_num_seqs=7,
@@ -63,8 +63,8 @@ def engines(tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory) -> Iterator[dict[s
 def test_every_format_matches_the_hf_engine(engines, arch, tiny_llama_dir, tiny_qwen3_dir):
     runner = engines[arch]
     path = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
-    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", aux_layer_ids=AUX)
-    assert runner.aux_layer_ids == AUX and runner.model.norm.dtype == torch.float32
+    hf = HFRunner.from_pretrained(path, dtype="float32", device="cpu", capture_layer_ids=AUX)
+    assert runner.capture_layer_ids == AUX and runner.model.norm.dtype == torch.float32
     input_ids, mask = ragged_rows(runner.model.config.vocab_size)
     valid = mask.bool()
     assert_every_format_matches(runner, hf, input_ids, mask, ATOL)
@@ -132,12 +132,12 @@ def test_a_batch_budget_beyond_the_kv_cache_vllm_allocated_is_refused_at_load(ti
     assert [p for p in shm.rglob("*") if p.is_file()] == []
 
 
-def test_set_aux_layers_restarts_the_engine_with_the_new_layers(engines, tiny_llama_dir):
+def test_set_capture_layers_restarts_the_engine_with_the_new_layers(engines, tiny_llama_dir):
     runner = engines["llama"]
     before = runner.engine
-    runner.set_aux_layers([4, 1, 3])
-    assert runner.engine is not before and runner.aux_layer_ids == [4, 1, 3]
-    hf = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[4, 1, 3])
+    runner.set_capture_layers([4, 1, 3])
+    assert runner.engine is not before and runner.capture_layer_ids == [4, 1, 3]
+    hf = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", capture_layer_ids=[4, 1, 3])
     input_ids, mask = ragged_rows(256)
     logits, aux = runner.forward_eagle3(input_ids, mask)
     hf_logits, hf_aux = hf.forward_eagle3(input_ids, mask)
@@ -145,7 +145,7 @@ def test_set_aux_layers_restarts_the_engine_with_the_new_layers(engines, tiny_ll
     torch.testing.assert_close(aux[valid], hf_aux[valid], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(logits[valid], hf_logits[valid], atol=ATOL, rtol=ATOL)
     restarted = runner.engine
-    runner.set_aux_layers([4, 1, 3])  # the same layers: no restart
+    runner.set_capture_layers([4, 1, 3])  # the same layers: no restart
     assert runner.engine is restarted and list(Path(runner.hidden_states_dir).iterdir()) == []
 
 
