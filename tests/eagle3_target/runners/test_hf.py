@@ -19,7 +19,7 @@ def model_dir(request):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_eagle3_equals_a_plain_forward_with_hidden_states(model_dir, dtype):
-    runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu", aux_layer_ids=[6, 0, 3])
+    runner = HFRunner.from_pretrained(model_dir, dtype=dtype, device="cpu", capture_layer_ids=[6, 0, 3])
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     ids = token_batch(0, 2, 12).input_ids
     mask = torch.ones_like(ids)
@@ -70,8 +70,8 @@ def test_forward_hidden_prenorm_is_the_last_decoder_layer_output_that_the_final_
     assert not torch.allclose(prenorm, final, atol=1e-2)
 
 
-def test_forward_hidden_prenorm_with_the_last_layer_among_the_aux_layers(tiny_llama_dir):
-    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", aux_layer_ids=[7, 1, 3])
+def test_forward_hidden_prenorm_with_the_last_layer_among_the_captured_layers(tiny_llama_dir):
+    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", capture_layer_ids=[7, 1, 3])
     prenorm, aux = runner.forward_hidden(token_batch(6, 2, 12).input_ids, prenorm=True)
     assert torch.equal(aux[..., :64], prenorm)
     assert aux.shape == (2, 12, 192)
@@ -92,19 +92,32 @@ def test_right_padding_leaves_the_real_positions_unchanged(model_dir):
         torch.testing.assert_close(padded_final[row, :n], alone_final[0], rtol=1e-5, atol=1e-5)
 
 
-def test_default_aux_layers_and_set_aux_layers(tiny_llama_dir):
+def test_default_capture_set_is_the_aux_layers_and_any_set_can_follow(tiny_llama_dir):
     runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu")
-    assert runner.aux_layer_ids == [1, 3, 4]
+    assert runner.capture_layer_ids == [1, 3, 4]
     ids = token_batch(0, 1, 5).input_ids
     _, default_aux = runner.forward_eagle3(ids)
-    runner.set_aux_layers([4, 3, 1])
+    runner.set_capture_layers([4, 3, 1])
     _, reordered = runner.forward_eagle3(ids)
     assert torch.equal(
         reordered, torch.cat([default_aux[..., 128:], default_aux[..., 64:128], default_aux[..., :64]], -1)
     )
-    with pytest.raises(ValueError, match="out of range"):
-        runner.set_aux_layers([1, 2, 8])
-    assert runner.aux_layer_ids == [4, 3, 1]
+    # Any number of layers, the last one (L-1) included: it is h_L, the last state before the final norm.
+    runner.set_capture_layers([7, 0, 1, 3, 4, 6])
+    _, captured = runner.forward_eagle3(ids)
+    prenorm, _ = runner.forward_hidden(ids, prenorm=True)
+    assert captured.shape == (1, 5, 6 * 64)
+    assert torch.equal(captured[..., :64], prenorm)
+    assert torch.equal(captured[..., 128:320], torch.cat([default_aux[..., :64], default_aux[..., 64:]], -1))
+    for bad, reason in (
+        ([1, 2, 8], "out of range"),
+        ([1, 1], "must be distinct"),
+        ([], "1 to 32 layer ids"),
+        (list(range(33)), "1 to 32 layer ids"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            runner.set_capture_layers(bad)
+    assert runner.capture_layer_ids == [7, 0, 1, 3, 4, 6]
 
 
 def test_weights_tied_and_untied(tiny_llama_dir, tiny_qwen3_dir):
@@ -119,12 +132,12 @@ def test_weights_tied_and_untied(tiny_llama_dir, tiny_qwen3_dir):
 
 
 def test_model_info_and_protocol(tiny_qwen3_dir):
-    runner = load_runner("hf", tiny_qwen3_dir, dtype="bfloat16", device="cpu", aux_layer_ids=[0, 2, 7])
+    runner = load_runner("hf", tiny_qwen3_dir, dtype="bfloat16", device="cpu", capture_layer_ids=[0, 2, 7])
     assert isinstance(runner, TargetRunner)
     info = model_info(runner)
     assert (info.num_hidden_layers, info.hidden_size, info.vocab_size) == (8, 64, 256)
     assert info.dtype == torch.bfloat16 and info.device.type == "cpu"
-    assert runner.aux_layer_ids == [0, 2, 7]
+    assert runner.capture_layer_ids == [0, 2, 7]
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_llama_dir, tmp_path):
@@ -189,7 +202,7 @@ def test_forward_hidden_refuses_a_model_whose_logits_are_scaled_after_the_lm_hea
         logits_scaling=8.0,
     )
     torch.manual_seed(0)
-    runner = HFRunner(AutoModelForCausalLM.from_config(config), aux_layer_ids=[0, 1, 2])
+    runner = HFRunner(AutoModelForCausalLM.from_config(config), capture_layer_ids=[0, 1, 2])
     ids = torch.randint(0, 128, (1, 6))
     logits, _ = runner.forward_eagle3(ids)
     with pytest.raises(ForwardHiddenUnsupported, match="logits_scaling"):

@@ -33,7 +33,7 @@ def test_nemo_client_protocol(server, reference_runner):
             "num_hidden_layers": config.num_hidden_layers,
             "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size,
-            "aux_layer_ids": reference_runner.aux_layer_ids,
+            "aux_layer_ids": [1, 3, 4],  # the aux layers, not the wider capture set
         }
         embeddings = nemo_wire.decode(session.post(server.url + "/input_embeddings", content=b"").content)
         assert torch.equal(embeddings["weight"], reference_runner.input_embedding_weight())
