@@ -6,10 +6,13 @@ from eagle3_target.contract import (
     Eagle3TargetBatch,
     VocabMapping,
     build_batch,
+    capture_plan,
     default_aux_layer_ids,
     project_to_draft_vocab,
+    select_layers,
     shift_left,
     validate_aux_layer_ids,
+    validate_capture_layer_ids,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -259,3 +262,41 @@ def test_build_batch_rejects_misaligned_inputs():
         build_batch(logits[:, :-1], aux, input_ids, attention_mask, loss_mask)
     with pytest.raises(ValueError, match="does not match"):
         build_batch(logits, aux, input_ids, attention_mask, loss_mask[:1])
+
+
+def test_capture_sets_are_validated_in_their_order():
+    assert validate_capture_layer_ids([7, 0, 3], 8) == [7, 0, 3]
+    assert validate_capture_layer_ids(list(range(32)), 40) == list(range(32))
+    for ids, reason in (
+        ([], "1 to 32 layer ids, got 0"),
+        (list(range(33)), "1 to 32 layer ids, got 33"),
+        ([1, 1], "must be distinct"),
+        ([8], "capture layer id 8 is out of range for a model with 8 layers"),
+        ([-1], "capture layer id -1 is out of range"),
+        ([1.5], "must be integers"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            validate_capture_layer_ids(ids, 8)
+
+
+def test_capture_plan_defaults_and_requires_the_aux_layers():
+    assert capture_plan(8, None, None) == ([1, 3, 4], [1, 3, 4])
+    assert capture_plan(8, [0, 2, 5], None) == ([0, 2, 5], [0, 2, 5])
+    assert capture_plan(8, None, [7, 4, 3, 1]) == ([1, 3, 4], [7, 4, 3, 1])
+    with pytest.raises(ValueError, match=r"the aux layers \[1, 3, 4\] must be captured, .* lacks \[3, 4\]"):
+        capture_plan(8, None, [1, 5, 7])
+    with pytest.raises(ValueError, match="too shallow"):
+        capture_plan(3, None, [0, 1, 2])  # the default aux layers need a deeper model; explicit ones do not
+    assert capture_plan(3, [0, 1, 2], [2, 1, 0]) == ([0, 1, 2], [2, 1, 0])
+
+
+def test_select_layers_picks_layers_in_the_order_wanted():
+    hidden = 4
+    layers = {i: torch.full((2, 3, hidden), float(i)) for i in (7, 1, 3, 0)}
+    captured = torch.cat([layers[i] for i in (7, 1, 3, 0)], dim=-1)
+    assert select_layers(captured, [7, 1, 3, 0], [7, 1, 3, 0]) is captured  # all of it: no copy
+    picked = select_layers(captured, [7, 1, 3, 0], [0, 7])
+    assert torch.equal(picked, torch.cat([layers[0], layers[7]], dim=-1))
+    assert torch.equal(select_layers(captured, [7, 1, 3, 0], [3]), layers[3])
+    with pytest.raises(ValueError, match=r"layers \[2\] are not among the captured layers \[7, 1, 3, 0\]"):
+        select_layers(captured, [7, 1, 3, 0], [1, 2])

@@ -65,3 +65,65 @@ def test_token_file_is_stripped_and_must_not_be_empty(tmp_path: Path):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         protocol.read_token_file(tmp_path / "empty")
+
+
+def test_an_older_servers_info_means_its_aux_layers_are_its_capture_set():
+    older = {
+        "model": "tiny",
+        "engine": "hf",
+        "dtype": "float32",
+        "num_hidden_layers": 8,
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "aux_layer_ids": [1, 3, 4],
+        "fingerprint": "sha256:aa",
+        "formats": list(protocol.FORMATS),
+        "max_batch_tokens": 1024,
+        "max_model_len": 128,
+        "version": "0.1.0",
+    }
+    info = protocol.TargetInfo.model_validate(older)
+    assert info.captured_layers == [1, 3, 4]
+    assert info.served_model().to_status()["captureLayerIds"] == [1, 3, 4]
+    wider = protocol.TargetInfo.model_validate(older | {"capture_layer_ids": [7, 1, 3, 4]})
+    assert wider.captured_layers == [7, 1, 3, 4]
+    assert wider.served_model().to_status()["captureLayerIds"] == [7, 1, 3, 4]
+
+
+CAPTURED = [7, 1, 3, 0, 4]
+
+
+@pytest.mark.parametrize(
+    ("layers", "final", "selected", "tensors"),
+    [
+        (None, None, (7, 1, 3, 0, 4), ("hidden_states",)),
+        ("4, 0", "postnorm", (4, 0), ("hidden_states", "final_hidden")),
+        ("none", "prenorm", (), ("final_hidden_prenorm",)),
+        (" none ", "postnorm", (), ("final_hidden",)),
+    ],
+)
+def test_a_layer_selection_parses_and_round_trips(layers, final, selected, tensors):
+    selection = protocol.LayerSelection.parse(layers, final, CAPTURED)
+    assert selection.layers == selected and selection.tensors == tensors
+    query = selection.query()
+    assert query["format"] == protocol.LAYERS_FORMAT
+    assert protocol.LayerSelection.parse(query["layers"], query["final"], CAPTURED) == selection
+
+
+@pytest.mark.parametrize(
+    ("layers", "final", "reason"),
+    [
+        ("2,7", None, r"layers \[2\] are not captured by this target; it captures \[7, 1, 3, 0, 4\]"),
+        ("", None, "comma-separated list"),
+        ("1,,3", None, "comma-separated list"),
+        ("1;3", None, "comma-separated list"),
+        ("-1", None, r"layers \[-1\] are not captured"),
+        ("1,1", None, "must be distinct"),
+        ("1", "after", "unknown final state 'after'"),
+        ("none", None, "ask for a final state"),
+        ("none", "none", "ask for a final state"),
+    ],
+)
+def test_a_bad_layer_selection_says_why(layers, final, reason):
+    with pytest.raises(ValueError, match=reason):
+        protocol.LayerSelection.parse(layers, final, CAPTURED)
