@@ -71,6 +71,7 @@ OPERATOR_ENV = frozenset(
                 "REVISION",
                 "DTYPE",
                 "AUX_LAYER_IDS",
+                "CAPTURE_LAYER_IDS",
                 "TENSOR_PARALLEL_SIZE",
                 "MAX_MODEL_LEN",
                 "ENGINE_ARGS",

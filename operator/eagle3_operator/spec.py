@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Self, Union, get_args, get_origin
 
 from eagle3_target.engines import ENGINES, EngineName
+from eagle3_target.protocol import MAX_CAPTURE_LAYERS
 from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -44,6 +45,9 @@ ENGINE_ARG_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 RESERVED_ENGINE_ARGS = frozenset(
     {"model", "dtype", "tensor-parallel-size", "max-model-len", "port", "host", "trust-remote-code"}
 )
+# A decoder layer's id (HF convention: id i is the output of decoder layer i), within the CRD's bound: the
+# model's own depth is known only to the server, which refuses ids beyond it at start.
+LayerId = Annotated[int, Field(ge=0, le=1024)]
 # maxSurge / maxUnavailable: a pod count or a percentage of replicas.
 IntOrPercent = Annotated[int | str, Field(union_mode="left_to_right")]
 PERCENT_PATTERN = r"^[0-9]+%$"
@@ -146,7 +150,8 @@ class EndpointSpec(SpecModel):
 class Eagle3TargetSpec(SpecModel):
     model: ModelSpec | None = None
     engine: EngineName = "vllm"
-    aux_layer_ids: list[Annotated[int, Field(ge=0, le=1024)]] | None = None
+    aux_layer_ids: list[LayerId] | None = None
+    capture_layer_ids: list[LayerId] | None = Field(None, min_length=1, max_length=MAX_CAPTURE_LAYERS)
     tensor_parallel_size: int = Field(1, ge=0, le=16)
     replicas: int = Field(1, ge=0, le=64)
     suspend: bool = False
@@ -240,6 +245,13 @@ class Eagle3TargetSpec(SpecModel):
             raise ValueError("must be exactly 3 distinct decoder-layer ids")
         return value
 
+    @field_validator("capture_layer_ids")
+    @classmethod
+    def _distinct(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("must be distinct decoder-layer ids")
+        return value
+
     @field_validator("engine_args")
     @classmethod
     def _engine_arg_keys(cls, value: dict[str, str]) -> dict[str, str]:
@@ -263,6 +275,13 @@ class Eagle3TargetSpec(SpecModel):
             raise ValueError(
                 "idle.scaleToZeroAfter scales pods the operator runs; an endpoint.url target has none"
             )
+        if self.aux_layer_ids is not None and self.capture_layer_ids is not None:
+            missing = [i for i in self.aux_layer_ids if i not in self.capture_layer_ids]
+            if missing:
+                raise ValueError(
+                    f"every auxLayerIds id must be in captureLayerIds (the EAGLE-3 aux layers are part of "
+                    f"the capture set); it lacks {missing}"
+                )
         if ENGINES[self.engine].sharded and self.tensor_parallel_size < 1:
             raise ValueError(
                 f"engine {self.engine} needs GPUs: tensorParallelSize must be >= 1 (0 is for engine hf)"

@@ -12,13 +12,31 @@ import pytest
 import yaml
 from eagle3_operator.render.names import label_selector
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
-from eagle3_target.protocol import API_VERSION, KIND, PLURAL
+from eagle3_target.protocol import API_VERSION, KIND, MAX_CAPTURE_LAYERS, PLURAL, TargetInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
 
 PVC = {"pvc": {"claimName": "models"}}
 HF = {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "hf-cache", "tokenSecretRef": {"name": "hf"}}}
+
+
+# A server's /v1/info answer (as the probe reads it), without its capture set.
+INFO = {
+    "model": "org/tiny",
+    "revision": "r1",
+    "engine": "hf",
+    "dtype": "float32",
+    "num_hidden_layers": 8,
+    "hidden_size": 64,
+    "vocab_size": 256,
+    "aux_layer_ids": [0, 2, 4],
+    "fingerprint": "sha256:aaaa",
+    "formats": ["hidden"],
+    "max_batch_tokens": 4096,
+    "max_model_len": 512,
+    "version": "0",
+}
 
 
 def target(name: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -95,6 +113,10 @@ GOOD_SPECS = {
         rollout={"maxSurge": "25%", "maxUnavailable": 0},
         idle={"scaleToZeroAfter": "1h30m"},
     ),
+    "capture set around the aux layers": with_model(
+        PVC, auxLayerIds=[1, 15, 28], captureLayerIds=[28, 0, 1, 15, 31]
+    ),
+    "largest capture set": with_model(PVC, captureLayerIds=list(range(MAX_CAPTURE_LAYERS))),
     "platform ids and integer shm": with_model(
         PVC, securityContext={"platformAssignedIds": True}, shmSize=2**34
     ),
@@ -130,6 +152,20 @@ BAD_SPECS = {
     "unknown engine": (with_model(PVC, engine="trt"), 'supported values: "vllm", "sglang", "hf"'),
     "two aux layers": (with_model(PVC, auxLayerIds=[1, 2]), "spec.auxLayerIds: Invalid value"),
     "repeated aux layer": (with_model(PVC, auxLayerIds=[1, 1, 2]), "auxLayerIds must be 3 distinct"),
+    "empty capture set": (with_model(PVC, captureLayerIds=[]), "spec.captureLayerIds: Invalid value"),
+    "capture set too large": (
+        with_model(PVC, captureLayerIds=list(range(MAX_CAPTURE_LAYERS + 1))),
+        f"spec.captureLayerIds: Too many: {MAX_CAPTURE_LAYERS + 1}: must have at most {MAX_CAPTURE_LAYERS}",
+    ),
+    "repeated capture layer": (
+        with_model(PVC, captureLayerIds=[3, 5, 3]),
+        "captureLayerIds must be distinct decoder-layer ids",
+    ),
+    "negative capture layer": (with_model(PVC, captureLayerIds=[0, -1]), "spec.captureLayerIds[1]"),
+    "aux layers not captured": (
+        with_model(PVC, auxLayerIds=[1, 15, 28], captureLayerIds=[1, 15, 27]),
+        "every auxLayerIds id must be in captureLayerIds",
+    ),
     "vllm without gpus": (with_model(PVC, tensorParallelSize=0), "engines vllm and sglang need GPUs"),
     "sglang without gpus": (
         with_model(PVC, engine="sglang", tensorParallelSize=0),
@@ -382,6 +418,22 @@ def test_status_scale_printer_columns_and_wait(cluster, target_api, namespace):
 
 def scale_path(namespace: str, name: str) -> str:
     return f"/apis/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}/scale"
+
+
+def test_the_status_keeps_the_served_capture_set(target_api, namespace):
+    """status.model as the operator writes it from /v1/info, capture set included (nothing pruned)."""
+    target_api.create(body=target("capturing", with_model(PVC)), namespace=namespace)
+    model = (
+        TargetInfo.model_validate(INFO | {"capture_layer_ids": [5, 0, 2, 4, 7]}).served_model().to_status()
+    )
+    target_api.status.patch(
+        body={"status": {"model": model}},
+        name="capturing",
+        namespace=namespace,
+        content_type="application/merge-patch+json",
+    )
+    stored = target_api.get(name="capturing", namespace=namespace).to_dict()["status"]["model"]
+    assert stored == model and stored["captureLayerIds"] == [5, 0, 2, 4, 7]
 
 
 def test_status_is_written_only_through_its_subresource(target_api, namespace):

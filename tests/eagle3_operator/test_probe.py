@@ -53,6 +53,20 @@ def test_ready_server_reports_its_model(servers: ServerFarm):
     assert result.info.name == "tiny-llama"
 
 
+def test_a_server_reports_its_capture_set(servers: ServerFarm, tiny_llama_dir: Path):
+    """status.model's captureLayerIds: the server's capture set in its order, else its aux layers."""
+    assert asyncio.run(check(url_of(servers))).info.capture_layer_ids == [1, 3, 4]  # the default aux layers
+    settings = ServerSettings(model=str(tiny_llama_dir), engine="hf", capture_layer_ids="7,1,3,0,4")
+    with serve_in_thread(create_app(settings)) as url:
+
+        def ready() -> ProbeResult | None:
+            result = asyncio.run(check(url))
+            return result if result.ready else None
+
+        result = eventually(ready, "the capturing server to be ready", timeout=60)
+    assert (result.info.aux_layer_ids, result.info.capture_layer_ids) == ([1, 3, 4], [7, 1, 3, 0, 4])
+
+
 def test_nothing_listening_is_unreachable():
     result = asyncio.run(check(f"http://{LOOPBACK}:{free_port()}"))
     assert (result.ready, result.reachable) == (False, False)

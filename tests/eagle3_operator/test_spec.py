@@ -15,6 +15,7 @@ from eagle3_operator.constants import (
     OPERATOR_VOLUMES,
 )
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
+from eagle3_target.protocol import MAX_CAPTURE_LAYERS
 from pydantic import BaseModel
 
 from support.crd import crd_manifest
@@ -45,6 +46,22 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def compare_bounds(prop: dict[str, Any], metadata: list[Any], path: str) -> list[str]:
+    """The difference between an integer schema's minimum/maximum and a field's ge/le, if any."""
+    model_bounds = {k: getattr(m, k) for m in metadata for k in ("ge", "le") if hasattr(m, k)}
+    crd_bounds = {k: prop[key] for k, key in (("ge", "minimum"), ("le", "maximum")) if key in prop}
+    return [] if model_bounds == crd_bounds else [f"{path}: CRD bounds {crd_bounds} != model {model_bounds}"]
+
+
+def item_metadata(annotation: Any) -> list[Any]:
+    """The constraints on the items of `list[Annotated[int, Field(...)]]` (optional or not)."""
+    for argument in typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,):
+        if typing.get_origin(argument) is list:
+            (item,) = typing.get_args(argument)
+            return [m for info in getattr(item, "__metadata__", ()) for m in info.metadata]
+    return []
+
+
 def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[str]:
     """Every difference between a CRD object schema and a pydantic model: field names, defaults, integer
     bounds, nesting."""
@@ -60,10 +77,9 @@ def compare(schema: dict[str, Any], model: type[BaseModel], path: str) -> list[s
         if "default" in prop and default != prop["default"]:
             problems.append(f"{path}.{name}: CRD default {prop['default']!r} != model {default!r}")
         if prop.get("type") == "integer":
-            model_bounds = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}
-            crd_bounds = {k: prop[key] for k, key in (("ge", "minimum"), ("le", "maximum")) if key in prop}
-            if model_bounds != crd_bounds:
-                problems.append(f"{path}.{name}: CRD bounds {crd_bounds} != model {model_bounds}")
+            problems += compare_bounds(prop, field.metadata, f"{path}.{name}")
+        if prop.get("items", {}).get("type") == "integer":
+            problems += compare_bounds(prop["items"], item_metadata(field.annotation), f"{path}.{name}[]")
         sub_schema = prop.get("items", prop)
         if "properties" in sub_schema:
             sub_model = nested_model(field.annotation)
@@ -128,6 +144,29 @@ def test_the_idle_window_is_a_duration(given, seconds):
     assert Eagle3TargetSpec.parse(pvc_spec(idle=idle)).idle.after_seconds == seconds
 
 
+@pytest.mark.parametrize(
+    ("layers", "capture"),
+    [
+        ({}, None),
+        (
+            {"captureLayerIds": [9, 0, 4]},
+            [9, 0, 4],
+        ),  # the default aux layers must be in it: the server checks
+        ({"auxLayerIds": [1, 3, 5], "captureLayerIds": [5, 0, 3, 1, 7]}, [5, 0, 3, 1, 7]),
+        ({"captureLayerIds": list(range(MAX_CAPTURE_LAYERS))}, list(range(MAX_CAPTURE_LAYERS))),
+    ],
+)
+def test_a_capture_set_keeps_its_order(layers, capture):
+    assert Eagle3TargetSpec.parse(pvc_spec(**layers)).capture_layer_ids == capture
+
+
+def test_the_crd_bounds_a_capture_set_as_the_protocol_does():
+    """One home for the largest capture set: the CRD's maxItems is the protocol's MAX_CAPTURE_LAYERS."""
+    schema = crd_spec_schema()["properties"]["captureLayerIds"]
+    assert (schema["minItems"], schema["maxItems"]) == (1, MAX_CAPTURE_LAYERS)
+    assert schema["items"] == crd_spec_schema()["properties"]["auxLayerIds"]["items"]
+
+
 def test_hf_engine_may_run_without_gpus():
     assert Eagle3TargetSpec.parse(pvc_spec(engine="hf", tensorParallelSize=0)).tensor_parallel_size == 0
 
@@ -147,6 +186,22 @@ BAD_SPECS = {
     "two aux layers": (pvc_spec(auxLayerIds=[1, 2]), "spec.auxLayerIds: must be exactly 3 distinct"),
     "repeated aux layer": (pvc_spec(auxLayerIds=[1, 1, 2]), "spec.auxLayerIds: must be exactly 3 distinct"),
     "negative aux layer": (pvc_spec(auxLayerIds=[-1, 1, 2]), "spec.auxLayerIds.0"),
+    "empty capture set": (pvc_spec(captureLayerIds=[]), "spec.captureLayerIds: List should have at least 1"),
+    "capture set too large": (
+        pvc_spec(captureLayerIds=list(range(MAX_CAPTURE_LAYERS + 1))),
+        f"spec.captureLayerIds: List should have at most {MAX_CAPTURE_LAYERS} items",
+    ),
+    "repeated capture layer": (
+        pvc_spec(captureLayerIds=[1, 5, 1]),
+        "spec.captureLayerIds: must be distinct decoder-layer ids",
+    ),
+    "negative capture layer": (pvc_spec(captureLayerIds=[0, -1]), "spec.captureLayerIds.1"),
+    "capture layer beyond the bound": (pvc_spec(captureLayerIds=[1025]), "spec.captureLayerIds.0"),
+    "aux layers not captured": (
+        pvc_spec(auxLayerIds=[1, 3, 5], captureLayerIds=[1, 3, 7]),
+        "every auxLayerIds id must be in captureLayerIds (the EAGLE-3 aux layers are part of the capture "
+        "set); it lacks [5]",
+    ),
     "vllm without gpus": (pvc_spec(tensorParallelSize=0), "engine vllm needs GPUs"),
     "sglang without gpus": (pvc_spec(engine="sglang", tensorParallelSize=0), "engine sglang needs GPUs"),
     "privileged port": (pvc_spec(port=80), "spec.port: Input should be greater than or equal to 1024"),

@@ -120,6 +120,17 @@ def test_an_empty_model_directory_reaches_the_targets_status(
     assert len(warnings(cluster, op_namespace, "no-model")) == 1
 
 
+def test_a_capture_set_beyond_the_model_reaches_the_targets_status(
+    cluster: Cluster, op_namespace: str, kubelet: Kubelet, tiny_llama_dir: Path
+):
+    """The CRD cannot know the model's depth: the server refuses the capture set at start and says why."""
+    manifest = kubelet_target_manifest("too-deep", tiny_llama_dir, captureLayerIds=[1, 3, 4, 8])
+    create(cluster, op_namespace, manifest)
+    line = "capture layer id 8 is out of range for a model with 8 layers"
+    body = assert_load_failure_reported(cluster, kubelet, op_namespace, "too-deep", line)
+    assert "spec.captureLayerIds" in condition(body, "Ready")["message"]
+
+
 def test_a_slow_loading_target_shows_its_progress_before_it_is_ready(
     cluster: Cluster, op_namespace: str, kubelet: Kubelet, tmp_path: Path
 ):

@@ -197,8 +197,17 @@ def resolved_from(obj: dict[str, Any]) -> ResolvedTarget:
         generation=obj["metadata"].get("generation", 0),
         url=status.get("url"),
         endpoints=ready_endpoints(status),
-        model=ServedModel.model_validate(status["model"]) if status.get("model") else None,
+        model=served_model(status["model"]) if status.get("model") else None,
     )
+
+
+def served_model(model: dict[str, Any]) -> ServedModel:
+    """status.model with its capture set filled in: a status from before capture sets has none, and the
+    servers then captured the aux layers alone."""
+    served = ServedModel.model_validate(model)
+    if served.capture_layer_ids is None:
+        return served.model_copy(update={"capture_layer_ids": served.aux_layer_ids})
+    return served
 
 
 def resolve(

@@ -23,6 +23,8 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
         args += ["--dtype", model.dtype]
     if spec.aux_layer_ids is not None:
         args += ["--aux-layer-ids", *(str(layer) for layer in spec.aux_layer_ids)]
+    if spec.capture_layer_ids is not None:  # one word: the server's flag takes a comma-separated list
+        args += ["--capture-layer-ids", ",".join(str(layer) for layer in spec.capture_layer_ids)]
     if ENGINES[spec.engine].sharded:
         args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.max_model_len is not None:
@@ -39,7 +41,7 @@ def server_args(spec: Eagle3TargetSpec) -> list[str]:
 # The server flags that decide which model a pod serves, and so its /v1/info fingerprint; the others only
 # tune how it is served.
 MODEL_IDENTITY_FLAGS = frozenset(
-    {"--model", "--engine", "--model-name", "--revision", "--dtype", "--aux-layer-ids"}
+    {"--model", "--engine", "--model-name", "--revision", "--dtype", "--aux-layer-ids", "--capture-layer-ids"}
 )
 
 

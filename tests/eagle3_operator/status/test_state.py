@@ -5,6 +5,7 @@ from datetime import timedelta
 
 from eagle3_operator.status.document import compute_status
 from eagle3_operator.status.observation import Failure, Observation, ProbeResult
+from eagle3_target.protocol import TargetInfo
 
 from support.observations import INFO, T0, make_deployment, make_pod, make_spec, observe
 from support.targets import condition
@@ -37,6 +38,21 @@ def test_all_replicas_serving_is_ready_with_endpoints_and_model():
     assert status["url"] == "http://t.ns.svc:18000"
     assert status["selector"].startswith("app.kubernetes.io/instance=t")
     assert "lastFailure" not in status or status["lastFailure"] is None
+
+
+def test_the_model_shows_the_served_capture_set():
+    """status.model.captureLayerIds from the servers' /v1/info; a server older than capture sets reports
+    none and captured its aux layers alone."""
+    # INFO's model as a server's /v1/info answers it.
+    answer = INFO.model_dump(exclude={"name", "capture_layer_ids"}) | {
+        "model": INFO.name,
+        **{"formats": ["hidden"], "max_batch_tokens": 4096, "max_model_len": 512, "version": "0"},
+    }
+    for reported, capture in (({"capture_layer_ids": [2, 0, 1, 3]}, [2, 0, 1, 3]), ({}, [0, 1, 2])):
+        served = TargetInfo.model_validate(answer | reported).served_model()
+        probes = {"t-a": ProbeResult(True, served), "t-b": ProbeResult(True, served)}
+        status = compute_status(observe(probes=probes), {}, T0)
+        assert status["model"] == INFO.to_status() | {"captureLayerIds": capture}
 
 
 def test_pod_whose_server_is_not_ready_is_not_a_ready_endpoint():

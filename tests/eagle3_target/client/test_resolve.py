@@ -24,7 +24,7 @@ from eagle3_target.client.resolve import TargetResource, readiness
 from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, GROUP, PLURAL, VERSION
 
 from support.cluster.waiting import eventually, free_port
-from support.targets import create_target, target_status, wake_annotation, write_status
+from support.targets import MODEL_STATUS, create_target, target_status, wake_annotation, write_status
 
 # status.idle as the operator writes it (no wake annotation when it went idle).
 IDLE = {"idle": {"since": "2026-01-01T00:00:00Z"}}
@@ -74,6 +74,8 @@ def test_waits_through_progressing_and_stale_status_to_ready(cluster, namespace,
     assert target.urls == target.endpoints
     assert target.fingerprint == "fp-123"
     assert target.model is not None and target.model.aux_layer_ids == [1, 3, 4]
+    # A status from before capture sets has none: its servers captured the aux layers alone.
+    assert "captureLayerIds" not in MODEL_STATUS and target.model.capture_layer_ids == [1, 3, 4]
     assert target.model.num_hidden_layers == 8
 
 
@@ -144,7 +146,10 @@ def test_deleted_while_waiting(cluster, namespace, objects):
 
 def test_cli_prints_json_and_urls(cluster, namespace, objects):
     create_target(objects, namespace, "tiny")
-    write_status(objects, namespace, "tiny", target_status(1, "True", "Serving", port=5555))
+    capturing = MODEL_STATUS | {"captureLayerIds": [7, 1, 3, 4]}
+    write_status(
+        objects, namespace, "tiny", target_status(1, "True", "Serving", port=5555) | {"model": capturing}
+    )
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     cli = [
         str(Path(sys.executable).parent / "eagle3-target"),
@@ -160,6 +165,10 @@ def test_cli_prints_json_and_urls(cluster, namespace, objects):
     assert printed["endpoints"] == ["http://127.0.0.2:5555"]
     assert printed["fingerprint"] == "fp-123"
     assert printed["model"]["vocab_size"] == 256
+    assert (printed["model"]["aux_layer_ids"], printed["model"]["capture_layer_ids"]) == (
+        [1, 3, 4],
+        [7, 1, 3, 4],
+    )
     as_urls = subprocess.run([*cli, "-o", "urls"], capture_output=True, text=True, env=env, check=True)
     assert as_urls.stdout.split() == ["http://127.0.0.2:5555"]
     missing = subprocess.run(
