@@ -35,7 +35,7 @@ from eagle3_target.runners.sglang_args import (
     refuse_unsupported_model,
     server_args_for,
 )
-from eagle3_target.runners.sglang_rank import CPU_ENGINE_ENV, RankCapture, Ranks, start_model_runner
+from eagle3_target.runners.sglang_rank import RankCapture, Ranks, start_model_runner, use_cpu_engine
 from eagle3_target.runners.sglang_tp import RankProcesses
 
 # SGLang builds its process groups and runtime context once a process (`bootstrap.init_parallel_runtime`
@@ -94,8 +94,7 @@ class SGLangRunner(RebuiltHeadRunner):
         ids = default_aux_layer_ids(num_layers) if capture_layer_ids is None else capture_layer_ids
         ids = validate_capture_layer_ids(ids, num_layers)
         resolved = resolve_device(device)
-        if resolved.type == "cpu":
-            os.environ[CPU_ENGINE_ENV] = "1"
+        use_cpu_engine(resolved)
         refuse_unsupported_model(path, full_config)
         server_args = server_args_for(
             path,

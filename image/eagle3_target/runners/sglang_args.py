@@ -19,6 +19,8 @@ import torch
 from transformers import PretrainedConfig
 
 from eagle3_target.runners.base import ModelRefused, logit_transform, parse_dtype, text_config
+from eagle3_target.runners.head import resolve_device
+from eagle3_target.runners.sglang_rank import use_cpu_engine
 from eagle3_target.runners.vllm_args import parse_bool
 from eagle3_target.runners.vllm_refusals import ZERO_CENTRED_NORM_MODEL_TYPES
 
@@ -79,6 +81,8 @@ def server_arg_actions() -> dict[str, argparse.Action]:
 
 
 def _server_args_class() -> Any:
+    # The first SGLang import of a server process that loads on its default device (`resolve_device`).
+    use_cpu_engine(resolve_device(None))
     try:
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:

@@ -6,6 +6,7 @@ relies on is called here; docs/sglang.md gives the file:line of each.
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -18,6 +19,15 @@ from eagle3_target.runners.base import ModelRefused, process_lost
 
 # SGLang reads this at import: without it, it takes its CUDA paths (and imports vLLM's rotary op).
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+
+
+def use_cpu_engine(device: torch.device) -> None:
+    """Put SGLang on its CPU paths in this process when `device` is the CPU. It must come before SGLang's
+    first import here: SGLang caches what it read (`srt/utils/common.py` `is_cpu`, an lru_cache) and its
+    modules copy it at import, so checking the engine arguments before loading would otherwise fix the CUDA
+    paths."""
+    if device.type == "cpu":
+        os.environ[CPU_ENGINE_ENV] = "1"
 
 
 class KVPool(NamedTuple):
