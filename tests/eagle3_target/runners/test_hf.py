@@ -71,7 +71,9 @@ def test_forward_hidden_prenorm_is_the_last_decoder_layer_output_that_the_final_
 
 
 def test_forward_hidden_prenorm_with_the_last_layer_among_the_captured_layers(tiny_llama_dir):
-    runner = HFRunner.from_pretrained(tiny_llama_dir, dtype="float32", device="cpu", capture_layer_ids=[7, 1, 3])
+    runner = HFRunner.from_pretrained(
+        tiny_llama_dir, dtype="float32", device="cpu", capture_layer_ids=[7, 1, 3]
+    )
     prenorm, aux = runner.forward_hidden(token_batch(6, 2, 12).input_ids, prenorm=True)
     assert torch.equal(aux[..., :64], prenorm)
     assert aux.shape == (2, 12, 192)
