@@ -3,12 +3,28 @@ judged here (a benchmark, not a timed test), only that every path moved the answ
 
 from support.bench import run_bench
 
+TOKENS, HIDDEN = 64, 4096
 
-def test_a_small_run_prints_every_rate_ratio_probe_and_memory_figure():
-    out = run_bench("data_plane", "--batch", "1", "--seq", "64", "--reps", "1", "--rounds", "1")
-    assert out["answer_mb"] == round(64 * 4 * 4096 * 2 / 1e6, 1)
-    assert out["loopback_tcp_gbps"] > 0 and out["raw_c1_gbps"] > 0
-    assert out["client_c1"]["tokens_per_s"] > 0 and out["client_c4"]["tokens_per_s"] > 0
-    assert out["ratios"]["client_c4_over_c1"] == round(out["client_c4"]["gbps"] / out["client_c1"]["gbps"], 3)
-    assert out["readyz_seconds"]["samples"] >= 1 and out["readyz_seconds"]["max"] > 0
-    assert out["server_rss_mib"]["peak"] >= out["server_rss_mib"]["ready"] > 0
+
+def test_a_small_run_prints_every_rate_ratio_probe_and_memory_figure_of_both_cases():
+    # Two servers, one after the other: minutes on a loaded 2-core machine.
+    out = run_bench("data_plane", "--batch", "1", "--seq", "64", "--reps", "1", "--rounds", "1", timeout=900)
+    # hidden: the final state and 3 aux layers; layers_dflash: 5 layers and the pre-norm final state.
+    for name, states, request in [
+        ("hidden", 4, "format=hidden"),
+        ("layers_dflash", 6, "format=layers&layers=1%2C2%2C3%2C4%2C5&final=prenorm"),
+    ]:
+        case = out[name]
+        assert case["request"] == f"POST /v1/supervision?{request}"
+        assert case["answer_mb"] == round(TOKENS * states * HIDDEN * 2 / 1e6, 1)
+        assert case["loopback_tcp_gbps"] > 0 and case["raw_c1_gbps"] > 0
+        assert case["client_c1"]["tokens_per_s"] > 0 and case["client_c4"]["tokens_per_s"] > 0
+        assert case["ratios"]["client_c4_over_c1"] == round(
+            case["client_c4"]["gbps"] / case["client_c1"]["gbps"], 3
+        )
+        assert case["readyz_seconds"]["samples"] >= 1 and case["readyz_seconds"]["max"] > 0
+        assert case["server_rss_mib"]["peak"] >= case["server_rss_mib"]["ready"] > 0
+    assert out["layers_dflash"]["capture_layer_ids"] == [1, 2, 3, 4, 5]
+    assert out["layers_over_hidden"]["client_c1_gbps"] == round(
+        out["layers_dflash"]["client_c1"]["gbps"] / out["hidden"]["client_c1"]["gbps"], 3
+    )
