@@ -20,7 +20,7 @@ SGLANG_STAND_IN := support/sgl_kernel_stand_in/sgl_kernel
 # A `vllm` that refuses to import, so that vLLM (from $(VENV), through the layering) never runs on SGLang's pins.
 SGLANG_NO_VLLM := support/sglang_venv_vllm/vllm
 # The real-SGLang test modules: run by $(SGLANG_VENV)'s python (the project's pytest, through the layering).
-SGLANG_TESTS := tests/eagle3_target/runners/test_sglang_on_sglang_cpu.py tests/eagle3_target/runners/test_sglang_tp_on_sglang_cpu.py tests/eagle3_target/server/test_server_on_sglang_cpu.py tests/scripts/test_smoke_sglang_on_sglang_cpu.py
+SGLANG_TESTS := tests/eagle3_target/runners/test_conformance.py tests/eagle3_target/runners/test_sglang_on_sglang_cpu.py tests/eagle3_target/runners/test_sglang_tp_on_sglang_cpu.py tests/eagle3_target/server/test_server_on_sglang_cpu.py tests/scripts/test_smoke_sglang_on_sglang_cpu.py
 # The demo's engine: hf (default) or vllm (vLLM's CPU build here).
 ENGINE ?= hf
 # An environment is synced again only when its lock (or the project's metadata) changes.
