@@ -38,15 +38,17 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
 import torch
 from eagle3_target.client.target_client import TargetClient
+from eagle3_target.contract import select_layers
 from eagle3_target.integrations.exporter import export, pack, padded
 from eagle3_target.integrations.layouts import Layout, SpecForgeLayout, SpeculatorsLayout
 from eagle3_target.integrations.rows import JsonlRows
-from eagle3_target.protocol import FORMATS, TargetInfo
+from eagle3_target.protocol import FINAL_STATES, FORMATS, TargetInfo
 from eagle3_target.runners import TargetRunner, load_runner
 from eagle3_target.tiny import write_tiny_model
 from torch import Tensor
@@ -102,6 +104,20 @@ class InProcessTarget:
             )
             self.stats["requests"] += 1
             return {"aux_hidden_states": aux.cpu(), FORMATS[format].tensors[1]: final.cpu()}
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor | None, layers: Sequence[int], final: str
+    ) -> dict[str, Tensor]:
+        """The `layers` format (what the speculators layout asks for), from the runner's capture set."""
+        with self._lock, torch.inference_mode():
+            last, captured = self.runner.forward_hidden(
+                input_ids.to(self.device),
+                None if attention_mask is None else attention_mask.to(self.device),
+                prenorm=final == "prenorm",
+            )
+            self.stats["requests"] += 1
+            out = {"hidden_states": select_layers(captured, self.runner.capture_layer_ids, layers).cpu()}
+            return out | {name: last.cpu() for name in [FINAL_STATES[final]] if name is not None}
 
 
 def exported_rate(
@@ -159,8 +175,9 @@ def main() -> None:
                 local_target = InProcessTarget(runner, client.info(), args.device)
                 warm_ids = torch.zeros(1, 8, dtype=torch.int64)
                 for layout in (SpeculatorsLayout(), SpecForgeLayout()):
-                    prenorm = layout.format == "hidden_prenorm"
-                    client.supervise(warm_ids, torch.ones_like(warm_ids), format=layout.format)
+                    prenorm = layout.name == "speculators"
+                    layout.check(client.info())
+                    layout.supervise(client, warm_ids, torch.ones_like(warm_ids))
                     rates: dict[str, list[float]] = {"inprocess": [], "export": [], "inprocess_export": []}
                     nbytes = requests = 0
                     for round_ in range(args.rounds):

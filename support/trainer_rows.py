@@ -23,6 +23,9 @@ VOCAB = 256
 # The bf16 server of the trainer tests: rows (20..48 tokens) fit its context; batches split at its budget.
 MAX_MODEL_LEN = 64
 MAX_BATCH_TOKENS = 256
+# What the bf16 server (8 layers) captures: every method's default layers (eagle3 [1, 3, 4], dflash
+# [1, 2, 3, 4, 5], dspark [1, 2, 4, 6]); layer 0 is left out, for the tests of layers a target lacks.
+CAPTURE_LAYER_IDS = [1, 2, 3, 4, 5, 6]
 
 
 def make_rows(num_rows: int = NUM_ROWS, seed: int = 3) -> list[dict[str, list[int]]]:

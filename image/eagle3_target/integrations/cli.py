@@ -127,16 +127,42 @@ def speculators(
     ],
     out: OutOption,
     connection: Connection,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            help="the draft method whose default layers to write: eagle3, peagle, dflash, dspark, mtp"
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            help="the draft's layers instead, as target layer ids (vLLM ids - 1), e.g. 1,5,9; or none"
+        ),
+    ] = None,
+    final: Annotated[
+        str | None,
+        typer.Option(help="the last state the files end with: prenorm (speculators normalises it itself)"),
+    ] = None,
     batch_tokens: BatchTokensOption = None,
     depth: DepthOption = 2,
     quiet: QuietOption = False,
 ) -> None:
     """speculators' offline hidden states (what `speculators generate-offline-data` writes from vLLM):
-    OUT/hidden_states/hs_{i}.safetensors. Train with --data-path on the prepare-data directory and
-    --hidden-states-path OUT/hidden_states."""
+    OUT/hidden_states/hs_{i}.safetensors, [S, k+1, H]: the draft's layers, then h_L before the final norm.
+    Default: the target's aux layers (EAGLE-3). Train with --data-path on the prepare-data directory,
+    --hidden-states-path OUT/hidden_states and --target-layer-ids the layers + 1."""
     from eagle3_target.integrations.layouts import SpeculatorsLayout
+    from eagle3_target.methods import feature_request
 
-    _run(SpeculatorsLayout, data, out, connection, batch_tokens, depth, quiet)
+    def layout() -> SpeculatorsLayout:
+        if layers is None:
+            if final is not None and method is None:
+                raise ValueError("--final needs --layers (or --method)")
+            return SpeculatorsLayout(method=method, final=final)
+        layer_ids, _ = feature_request(method, layers, final, 0)
+        return SpeculatorsLayout(layer_ids, final=final)
+
+    _run(layout, data, out, connection, batch_tokens, depth, quiet)
 
 
 @export_app.command("specforge")

@@ -234,7 +234,7 @@ def export(
         def fetch(batch: list[Row]) -> tuple[list[Row], dict[str, Tensor]]:
             ids, mask = padded(batch)
             try:
-                return batch, client.supervise(ids, mask, format=layout.format)
+                return batch, layout.supervise(client, ids, mask)
             except RequestRejected as exc:
                 indices = sorted(r.index for r in batch)
                 raise ExportError(f"the target refused rows {indices}: {exc}") from exc

@@ -2,10 +2,11 @@
 trainer's file layout, tensor names, dtypes and layer-id convention.
 
 - speculators 0.9 (`hs_connectors.FileTransfer`, `speculators.train.data.ArrowDataset`):
-  `hidden_states/hs_{i}.safetensors` with `hidden_states` [S, 4, H] (the three aux layers in ascending
+  `hidden_states/hs_{i}.safetensors` with `hidden_states` [S, k+1, H] (the draft's k layers in ascending
   capture order, then h_L *before* the final norm, which speculators applies itself) and `token_ids` [S]
-  int64, in the model dtype: what vLLM's hidden-states connector writes. Its layer ids are vLLM capture ids,
-  ours + 1.
+  int64, in the model dtype: what vLLM's hidden-states connector writes, for any draft method (EAGLE-3 and
+  P-EAGLE: 3 layers; DFlash, DSpark: their `--target-layer-ids`; MTP: none, only h_L). Its layer ids are
+  vLLM capture ids, ours + 1 (see `methods`).
 - SpecForge 0.2 (`specforge_hidden_states_v1`, read by its `OfflineManifestReader`):
   `rows_{g}-{g+2000}/data_{i}.ckpt`, a `torch.save` of `input_ids` [S] int64, `loss_mask` [S] int64,
   `hidden_state` [1, S, H] (after the final norm) and `aux_hidden_state` [1, S, 3H], both bf16 (its
@@ -23,9 +24,11 @@ import torch
 from safetensors.torch import save
 from torch import Tensor
 
-from eagle3_target.contract import NUM_AUX_LAYERS
+from eagle3_target import methods
+from eagle3_target.client.target_client import TargetClient
 from eagle3_target.integrations.rows import Row
-from eagle3_target.protocol import TargetInfo
+from eagle3_target.methods import vllm_capture_ids
+from eagle3_target.protocol import LAYERS_TENSOR, TargetInfo
 
 
 class LayoutMismatch(ValueError):
@@ -36,10 +39,19 @@ class Layout(Protocol):
     """How one trainer's feature files are named and built."""
 
     name: str
-    format: str  # the /v1/supervision format the files are built from
 
     def check(self, info: TargetInfo) -> None:
         """Raise LayoutMismatch unless the target (its /v1/info) suits this trainer."""
+        ...
+
+    @property
+    def format(self) -> str:
+        """What the files are built from (a /v1/supervision request), for the export's manifest; known once
+        `check` has passed."""
+        ...
+
+    def supervise(self, client: TargetClient, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+        """The supervision of a padded batch that `write` builds the files from."""
         ...
 
     def relative_path(self, index: int) -> Path:
@@ -55,39 +67,104 @@ class Layout(Protocol):
 
 
 def speculators_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
-    """speculators' `--target-layer-ids` for our aux ids: vLLM capture id k is the residual entering layer
+    """speculators' `--target-layer-ids` for our layer ids: vLLM capture id k is the residual entering layer
     k, the output of our layer k - 1; vLLM keeps them ascending."""
-    return sorted(a + 1 for a in aux_layer_ids)
+    return vllm_capture_ids(aux_layer_ids)
 
 
 def speculators_sample(
-    aux_hidden_states: Tensor, final_hidden_prenorm: Tensor, token_ids: Tensor, aux_layer_ids: Sequence[int]
+    layers: Tensor, final_hidden_prenorm: Tensor, token_ids: Tensor, layer_ids: Sequence[int]
 ) -> dict[str, Tensor]:
-    """One row as vLLM's file holds it: `hidden_states` [S, 4, H], `token_ids` [S] int64."""
+    """One row as vLLM's file holds it: `hidden_states` [S, k+1, H] (`layers` [S, k*H], the layers
+    `layer_ids` in that order, sorted ascending, then h_L), `token_ids` [S] int64."""
     seq, hidden = final_hidden_prenorm.shape
-    layers = aux_hidden_states.reshape(seq, NUM_AUX_LAYERS, hidden)
-    ascending = sorted(range(NUM_AUX_LAYERS), key=lambda i: aux_layer_ids[i])
-    states = torch.cat((layers[:, ascending], final_hidden_prenorm.unsqueeze(1)), dim=1)
+    stacked = layers.reshape(seq, len(layer_ids), hidden)
+    ascending = sorted(range(len(layer_ids)), key=lambda i: layer_ids[i])
+    states = torch.cat((stacked[:, ascending], final_hidden_prenorm.unsqueeze(1)), dim=1)
     return {"hidden_states": states.contiguous(), "token_ids": token_ids.to(torch.int64).contiguous()}
 
 
+def check_captured(layer_ids: Sequence[int], info: TargetInfo, who: str) -> None:
+    """LayoutMismatch naming both sets unless the target captures every layer wanted (L-1 always counts: it
+    is the pre-norm last state, which every target serves)."""
+    last = info.num_hidden_layers - 1
+    missing = [i for i in layer_ids if i not in info.captured_layers and i != last]
+    if missing:
+        raise LayoutMismatch(
+            f"{who} needs layers {list(layer_ids)} (vLLM capture ids {vllm_capture_ids(layer_ids)}), but the "
+            f"target captures {info.captured_layers} and lacks {missing}: serve it with --capture-layer-ids "
+            f"(captureLayerIds) including them, or train on layers it captures"
+        )
+
+
+def fetch_speculators_layers(
+    client: TargetClient, input_ids: Tensor, attention_mask: Tensor | None, layer_ids: Sequence[int]
+) -> dict[str, Tensor]:
+    """`layers` [B, S, k*H] (the layers in `layer_ids` order) and `final_hidden_prenorm` [B, S, H]: one
+    `layers` request; L-1, the pre-norm last state, comes from the final state rather than the capture."""
+    last = client.info().num_hidden_layers - 1
+    served = [i for i in layer_ids if i != last]
+    out = client.hidden_states(input_ids, attention_mask, layers=served, final="prenorm")
+    final = out["final_hidden_prenorm"]
+    parts = dict(zip(served, (out[LAYERS_TENSOR].chunk(len(served), dim=-1) if served else ()), strict=True))
+    parts[last] = final
+    layers = [parts[i] for i in layer_ids]
+    empty = final.new_empty(*final.shape[:-1], 0)
+    return {"layers": torch.cat(layers, dim=-1) if layers else empty, "final_hidden_prenorm": final}
+
+
 class SpeculatorsLayout:
+    """speculators' files for a draft reading `layer_ids` (our ids), or `method`'s default layers for the
+    target's depth; neither: the target's aux layers (the EAGLE-3 draft it was set up for). The last slot
+    is always h_L before the final norm: speculators reads it as `verifier_last_hidden_states` and applies
+    the final norm itself, whatever the method (so `final` can only be "prenorm")."""
+
     name = "speculators"
-    format = "hidden_prenorm"
+
+    def __init__(
+        self, layer_ids: Sequence[int] | None = None, *, method: str | None = None, final: str | None = None
+    ) -> None:
+        if method is not None and layer_ids is not None:
+            raise ValueError("give either a method or layer ids, not both")
+        if final not in (None, "prenorm"):
+            raise LayoutMismatch(
+                f"speculators' files end with h_L before the final norm (it applies the norm itself): the "
+                f"final state must be prenorm, not {final}"
+            )
+        self._method = None if method is None else methods.method(method)
+        self._wanted = None if layer_ids is None else list(layer_ids)
+        self._layer_ids: list[int] | None = None
+
+    @property
+    def layer_ids(self) -> list[int]:
+        if self._layer_ids is None:
+            raise RuntimeError("the layout's layers are known once check() has seen the target")
+        return self._layer_ids
 
     def check(self, info: TargetInfo) -> None:
-        if len(info.aux_layer_ids) != NUM_AUX_LAYERS:
-            raise LayoutMismatch(f"speculators needs 3 aux layers, the target has {info.aux_layer_ids}")
+        if self._method is not None:
+            layer_ids = self._method.default_layer_ids(info.num_hidden_layers)
+        else:
+            layer_ids = list(info.aux_layer_ids) if self._wanted is None else self._wanted
+        if len(set(layer_ids)) != len(layer_ids):
+            raise LayoutMismatch(f"layer ids must be distinct, got {layer_ids}")
+        who = f"speculators' {self._method.name}" if self._method is not None else "this speculators draft"
+        check_captured(layer_ids, info, who)
+        self._layer_ids = sorted(layer_ids)
+
+    @property
+    def format(self) -> str:
+        return f"layers={','.join(map(str, self.layer_ids)) or 'none'}&final=prenorm"
+
+    def supervise(self, client: TargetClient, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+        return fetch_speculators_layers(client, input_ids, attention_mask, self.layer_ids)
 
     def relative_path(self, index: int) -> Path:
         return Path("hidden_states") / f"hs_{index}.safetensors"
 
     def write(self, row: Row, supervision: Mapping[str, Tensor], info: TargetInfo, file: BinaryIO) -> None:
         sample = speculators_sample(
-            supervision["aux_hidden_states"],
-            supervision["final_hidden_prenorm"],
-            row.input_ids,
-            info.aux_layer_ids,
+            supervision["layers"], supervision["final_hidden_prenorm"], row.input_ids, self.layer_ids
         )
         file.write(save(sample))
 
@@ -137,6 +214,9 @@ class SpecForgeLayout:
                 "SpecForge (model.aux_hidden_state_layer_ids) and this exporter (--aux-layer-ids) the "
                 "target's ids"
             )
+
+    def supervise(self, client: TargetClient, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
+        return client.supervise(input_ids, attention_mask, format=self.format)
 
     def relative_path(self, index: int) -> Path:
         group = index // SPECFORGE_GROUP_ROWS * SPECFORGE_GROUP_ROWS

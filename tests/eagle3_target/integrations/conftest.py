@@ -1,5 +1,6 @@
-"""A bf16 tiny Llama (random norm weights, sharded like a real checkpoint) served over loopback, and the
-pre-tokenised rows every exporter and trainer test uses."""
+"""A bf16 tiny Llama (random norm weights, sharded like a real checkpoint) served over loopback, capturing
+the layers of every draft method's default (methods.py) besides its aux layers, and the pre-tokenised rows
+every exporter and trainer test uses."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from eagle3_target.tiny import write_tiny_model
 from transformers import AutoModelForCausalLM
 
 from support.server_process import ServerProcess, start_server
-from support.trainer_rows import MAX_BATCH_TOKENS, MAX_MODEL_LEN, make_rows
+from support.trainer_rows import CAPTURE_LAYER_IDS, MAX_BATCH_TOKENS, MAX_MODEL_LEN, make_rows
 
 
 @pytest.fixture(scope="session")
@@ -41,6 +42,7 @@ def bf16_server(bf16_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             "--max-model-len", str(MAX_MODEL_LEN),
             "--max-batch-tokens", str(MAX_BATCH_TOKENS),
             "--model-name", "tiny-llama-bf16",
+            "--capture-layer-ids", ",".join(map(str, CAPTURE_LAYER_IDS)),
         ],
     )  # fmt: skip
     yield server

@@ -66,10 +66,52 @@ def test_speculators_files_equal_what_vllm_would_capture(
         got = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
         assert_same(got, vllm_file(plain_model, row["input_ids"], [*capture_ids, 8]))
     manifest = json.loads((out / exporter.MANIFEST).read_text())
-    assert manifest["layout"] == "speculators" and manifest["format"] == "hidden_prenorm"
+    assert manifest["layout"] == "speculators" and manifest["format"] == "layers=1,3,4&final=prenorm"
     assert (
         manifest["target"]["aux_layer_ids"] == [1, 3, 4] and manifest["target"]["model"] == "tiny-llama-bf16"
     )
+
+
+def test_speculators_files_for_any_layers_and_for_a_method(
+    bf16_server, rows_jsonl, rows, plain_model, tmp_path
+):
+    """`--layers` (our ids) and `--method`: the layers + 1 as vLLM capture ids, then L (MTP: only L)."""
+    for flags, capture_ids in (
+        (["--layers", "5,2", "--final", "prenorm"], [3, 6, 8]),
+        (["--method", "dspark"], [2, 3, 5, 7, 8]),
+        (["--method", "mtp"], [8]),
+    ):
+        out = tmp_path / flags[1]
+        run_cli(
+            "speculators",
+            "--url",
+            bf16_server.url,
+            "--data",
+            str(rows_jsonl),
+            "--out",
+            str(out),
+            *flags,
+            *ONE_ROW,
+        )
+        for i, row in enumerate(rows):
+            got = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+            assert_same(got, vllm_file(plain_model, row["input_ids"], capture_ids))
+
+
+def test_speculators_export_of_layers_the_target_lacks_writes_nothing(bf16_server, rows_jsonl, tmp_path):
+    out = tmp_path / "out"
+    url = ["--url", bf16_server.url, "--data", str(rows_jsonl), "--out", str(out)]
+    output = fail_cli("speculators", *url, "--layers", "0,2")
+    assert "lacks [0]" in output and "captures [1, 2, 3, 4, 5, 6]" in output
+    assert not out.exists()
+    for flags, message in (
+        (["--layers", "2", "--final", "postnorm"], "must be prenorm"),
+        (["--method", "dflash", "--layers", "2"], "not both"),
+        (["--final", "prenorm"], "--final needs --layers"),
+        (["--method", "eagle9"], "unknown draft method"),
+    ):
+        assert message in fail_cli("speculators", *url, *flags)
+        assert not out.exists()
 
 
 def test_specforge_files_equal_what_sglang_would_capture(

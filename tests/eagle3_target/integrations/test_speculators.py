@@ -1,7 +1,8 @@
 """speculators 0.9 (the real package) trains on a served target, online through the `eagle3-target`
 hidden-states backend and offline on `eagle3-target export speculators` files, exactly as on the files
 vLLM's hidden-states connector would have written (the reference: a plain transformers forward per row, the
-way vLLM captures; see support/trainer_rows.py).
+way vLLM captures; see support/trainer_rows.py), for every draft method speculators trains: EAGLE-3,
+P-EAGLE, DFlash and DSpark (their layers from methods.py, captured by the served target).
 
 CPU shims, only here, for speculators lines that assume CUDA (speculators/train/trainer.py, train/cli.py):
 - `Trainer` moves model and batches with `.to(local_rank)` (an int: a CUDA device): `get_local_rank` -> "cpu";
@@ -27,8 +28,13 @@ from eagle3_target.client.target_client import TargetClient
 from eagle3_target.integrations.exporter import export
 from eagle3_target.integrations.layouts import SpeculatorsLayout
 from eagle3_target.integrations.rows import PreparedRows
+from eagle3_target.methods import method, vllm_capture_ids
+from safetensors.torch import load_file
 
-from support.trainer_rows import write_vllm_files
+from support.targets import create_target, target_status, write_status
+from support.trainer_rows import CAPTURE_LAYER_IDS, write_vllm_files
+
+NUM_LAYERS = 8  # the bf16 tiny Llama's
 
 TOTAL_SEQ_LEN = 128
 
@@ -74,11 +80,18 @@ def files(bf16_server, rows, plain_model, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def plugin_args(url: str, **overrides) -> argparse.Namespace:
+def method_capture_ids(name: str) -> list[int]:
+    """The vLLM capture ids of a method's speculators file on the tiny target: its layers + 1, then L."""
+    return [*vllm_capture_ids(method(name).default_layer_ids(NUM_LAYERS)), NUM_LAYERS]
+
+
+def plugin_args(url: str | None, **overrides) -> argparse.Namespace:
     values = {
+        "speculator_type": "eagle3",
         "eagle3_target": url,
         "eagle3_target_namespace": None,
         "eagle3_target_token_file": None,
+        "eagle3_target_kubeconfig": None,
         "target_layer_ids": None,
         "from_pretrained": None,
     }
@@ -118,20 +131,52 @@ def test_speculators_loader_builds_the_same_batches_from_files_and_online(files,
     assert not torch.allclose(normed.float(), last.float(), atol=1e-2)
 
 
-def test_the_plugin_refuses_a_draft_whose_layers_are_not_the_targets(files, bf16_server, tmp_path):
+@pytest.mark.parametrize("name", ["eagle3", "peagle", "dflash", "dspark", "mtp"])
+def test_export_writes_each_methods_files_as_vllm_does(name, bf16_server, plain_model, rows, files, tmp_path):
+    """`--method NAME`: the method's default layers + 1 as vLLM capture ids, then L (MTP: only L)."""
+    with TargetClient(bf16_server.url) as client:
+        export(
+            client, PreparedRows(files["prepared"]), SpeculatorsLayout(method=name), tmp_path / "served",
+            batch_tokens=48, progress=False,
+        )  # fmt: skip
+    capture_ids = method_capture_ids(name)
+    reference = write_vllm_files(plain_model, rows, capture_ids, tmp_path / "reference")
+    assert capture_ids[-1] == NUM_LAYERS and (name != "mtp" or capture_ids == [NUM_LAYERS])
+    for i in range(len(rows)):
+        got = load_file(tmp_path / "served" / "hidden_states" / f"hs_{i}.safetensors")
+        want = load_file(reference / f"hs_{i}.safetensors")
+        assert got["hidden_states"].shape == want["hidden_states"].shape == (
+            len(rows[i]["input_ids"]), len(capture_ids), plain_model.config.hidden_size
+        )  # fmt: skip
+        assert torch.equal(got["hidden_states"], want["hidden_states"]) and torch.equal(
+            got["token_ids"], want["token_ids"]
+        )
+
+
+def test_the_plugin_refuses_a_draft_whose_layers_the_target_does_not_capture(files, bf16_server, tmp_path):
     prepared = str(files["prepared"])
-    with pytest.raises(ValueError, match="--target-layer-ids 2 4 5"):
+    captured_vllm = str([i + 1 for i in CAPTURE_LAYER_IDS])
+    # vLLM id 1 is our layer 0, which the target does not capture.
+    with pytest.raises(ValueError, match=r"target layer ids \[1, 4, 5\]") as refused:
         backend.Eagle3TargetBackend.from_train_args(
-            plugin_args(bf16_server.url, target_layer_ids=[1, 3, 4]), prepared
+            plugin_args(bf16_server.url, target_layer_ids=[1, 4, 5]), prepared
         )
-    (tmp_path / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}))
-    with pytest.raises(ValueError, match=r"\[2, 4, 6\] are not the served target's"):
+    assert str(CAPTURE_LAYER_IDS) in str(refused.value) and captured_vllm in str(refused.value)
+    (tmp_path / "config.json").write_text(json.dumps({"aux_hidden_state_layer_ids": [2, 3, 4, 5, 1]}))
+    with pytest.raises(ValueError, match=r"lacks \[0\]"):
         backend.Eagle3TargetBackend.from_train_args(
-            plugin_args(bf16_server.url, from_pretrained=str(tmp_path)), prepared
+            plugin_args(bf16_server.url, speculator_type="dflash", from_pretrained=str(tmp_path)), prepared
         )
-    assert backend.Eagle3TargetBackend.from_train_args(
-        plugin_args(bf16_server.url, target_layer_ids=[2, 4, 5]), prepared
-    )
+    with pytest.raises(ValueError, match=r"vLLM capture ids \[0\] cannot be served"):
+        backend.Eagle3TargetBackend.from_train_args(
+            plugin_args(bf16_server.url, target_layer_ids=[0, 4, 5]), prepared
+        )
+    # Captured layers, L among them (the last slot), and MTP's [L] are served.
+    for args in (
+        plugin_args(bf16_server.url, target_layer_ids=[2, 7, 8]),
+        plugin_args(bf16_server.url, speculator_type="mtp", target_layer_ids=[1]),  # MTP ignores them
+    ):
+        assert backend.Eagle3TargetBackend.from_train_args(args, prepared)
     with pytest.raises(ValueError, match="needs --eagle3-target"):
         backend.Eagle3TargetBackend.from_train_args(plugin_args(None), prepared)
 
@@ -166,25 +211,48 @@ def train(argv: list[str], monkeypatch) -> list[dict]:
     return logged
 
 
+def train_argv(
+    speculator_type: str, bf16_model_dir: Path, prepared: Path, save: Path, *source: str
+) -> list[str]:
+    """speculators' `train` flags for two steps of a tiny draft of this type on the CPU."""
+    own = {
+        "eagle3": [],
+        "peagle": ["--max-anchors", "32"],
+        "dflash": ["--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
+        "dspark": ["--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
+    }[speculator_type]
+    layer_ids = vllm_capture_ids(method(speculator_type).default_layer_ids(NUM_LAYERS))
+    return [
+        "--speculator-type", speculator_type,
+        "--verifier-name-or-path", str(bf16_model_dir),
+        "--data-path", str(prepared),
+        "--save-path", str(save),
+        "--target-layer-ids", *map(str, layer_ids),
+        "--draft-attn-impl", "sdpa",
+        "--loss-implementation", "eager",
+        "--mask-token-id", "0",
+        "--total-seq-len", str(TOTAL_SEQ_LEN),
+        "--epochs", "1",
+        "--max-steps", "2",
+        "--log-freq", "1",
+        "--on-missing", "raise",
+        *own,
+        *source,
+    ]  # fmt: skip
+
+
+def assert_two_real_steps(logged: list[dict]) -> None:
+    steps = [entry for entry in logged if "train" in entry]
+    assert len(steps) == 2 and any("val" in entry for entry in logged)
+    assert steps[0]["train"]["loss"] != steps[1]["train"]["loss"]
+    assert all(step["train"]["loss"] > 0 for step in steps)
+
+
 def test_two_speculators_training_steps_give_the_same_losses_online_offline_and_on_vllm_files(
     files, bf16_model_dir, bf16_server, tmp_path, cpu_shims, monkeypatch
 ):
     def argv(name: str, *source: str) -> list[str]:
-        return [
-            "--speculator-type", "eagle3",
-            "--verifier-name-or-path", str(bf16_model_dir),
-            "--data-path", str(files["prepared"]),
-            "--save-path", str(tmp_path / name),
-            "--draft-attn-impl", "sdpa",
-            "--loss-implementation", "eager",
-            "--mask-token-id", "0",
-            "--total-seq-len", str(TOTAL_SEQ_LEN),
-            "--epochs", "1",
-            "--max-steps", "2",
-            "--log-freq", "1",
-            "--on-missing", "raise",
-            *source,
-        ]  # fmt: skip
+        return train_argv("eagle3", bf16_model_dir, files["prepared"], tmp_path / name, *source)
 
     reference = train(
         argv("reference", "--num-workers", "0", "--hidden-states-path", str(files["reference"])), monkeypatch
@@ -201,9 +269,62 @@ def test_two_speculators_training_steps_give_the_same_losses_online_offline_and_
         bf16_server.url,
     ]
     online = train(argv("online", *online_source), monkeypatch)
-    steps = [entry for entry in reference if "train" in entry]
-    assert len(steps) == 2 and any("val" in entry for entry in reference)
-    assert steps[0]["train"]["loss"] != steps[1]["train"]["loss"]
-    assert all(step["train"]["loss"] > 0 for step in steps)
+    assert_two_real_steps(reference)
     assert served == reference
     assert online == reference
+
+
+@pytest.mark.parametrize("speculator_type", ["peagle", "dflash", "dspark"])
+def test_each_draft_method_trains_online_as_on_vllm_files(
+    speculator_type, files, rows, plain_model, bf16_model_dir, bf16_server, tmp_path, cpu_shims, monkeypatch
+):
+    reference_files = write_vllm_files(
+        plain_model, rows, method_capture_ids(speculator_type), tmp_path / "reference"
+    )
+
+    def argv(name: str, *source: str) -> list[str]:
+        return train_argv(speculator_type, bf16_model_dir, files["prepared"], tmp_path / name, *source)
+
+    reference = train(
+        argv("reference", "--num-workers", "0", "--hidden-states-path", str(reference_files)), monkeypatch
+    )
+    online = train(
+        argv("online", "--num-workers", "0", "--hidden-states-backend", "eagle3-target",
+             "--eagle3-target", bf16_server.url),
+        monkeypatch,
+    )  # fmt: skip
+    assert_two_real_steps(reference)
+    assert online == reference
+
+
+def test_a_draft_trains_on_a_target_found_by_name(
+    cluster, namespace, objects, files, rows, plain_model, bf16_model_dir, bf16_server, tmp_path, cpu_shims,
+    monkeypatch,
+):  # fmt: skip
+    """`--eagle3-target NAME --eagle3-target-namespace NS`, resolved through the API server in the trainer
+    and again in its DataLoader worker (the test plays the operator and publishes the server in status)."""
+    with TargetClient(bf16_server.url) as client:
+        fingerprint = client.info().fingerprint
+    published = target_status(1, "True", "AllReplicasReady")
+    published["model"] = published["model"] | {"fingerprint": fingerprint}
+    published["endpoints"] = [{"pod": "tiny-0", "address": bf16_server.url, "ready": True, "node": "n0"}]
+    create_target(objects, namespace, "tiny-llama")
+    write_status(objects, namespace, "tiny-llama", published)
+    reference_files = write_vllm_files(
+        plain_model, rows, method_capture_ids("dflash"), tmp_path / "reference"
+    )
+
+    def argv(name: str, *source: str) -> list[str]:
+        return train_argv("dflash", bf16_model_dir, files["prepared"], tmp_path / name, *source)
+
+    reference = train(
+        argv("reference", "--num-workers", "0", "--hidden-states-path", str(reference_files)), monkeypatch
+    )
+    by_name = train(
+        argv("by-name", "--num-workers", "1", "--hidden-states-backend", "eagle3-target",
+             "--eagle3-target", "tiny-llama", "--eagle3-target-namespace", namespace,
+             "--eagle3-target-kubeconfig", str(cluster.kubeconfig)),
+        monkeypatch,
+    )  # fmt: skip
+    assert_two_real_steps(reference)
+    assert by_name == reference

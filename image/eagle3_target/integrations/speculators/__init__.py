@@ -2,13 +2,16 @@
 
     python -m eagle3_target.integrations.speculators --hidden-states-backend eagle3-target \\
         --eagle3-target llama31-8b [--eagle3-target-namespace NS] [--eagle3-target-token-file F] \\
+        [--eagle3-target-kubeconfig FILE] \\
         --on-missing raise <speculators train flags...>
 
 speculators' dataset asks the backend for row i's hidden states (`get_cached(i)`); this one computes them
-on the served target instead of reading vLLM's file: the same `hidden_states` [S, 4, H] (aux layers, then
-h_L before the final norm) and `token_ids`. Importing this package registers the backend; `main` (this
-package's `__main__`) then runs speculators' own training CLI, which reads its backend choices when it is
-first imported.
+on the served target instead of reading vLLM's file: the same `hidden_states` [S, k+1, H] (the draft's
+layers, then h_L before the final norm) and `token_ids`, for any speculator type (eagle3, peagle, dflash,
+dspark, mtp), through the `layers` format. The draft's layers must be captured by the target; a draft
+that reads others is refused before the first step, naming both sets. Importing this package registers
+the backend; `main` (this package's `__main__`) then runs speculators' own training CLI, which reads its
+backend choices when it is first imported.
 """
 
 from __future__ import annotations
@@ -25,49 +28,67 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from eagle3_target.client.target_client import TargetClient
 from eagle3_target.integrations.connect import Connection
-from eagle3_target.integrations.layouts import speculators_layer_ids, speculators_sample
+from eagle3_target.integrations.layouts import (
+    check_captured,
+    fetch_speculators_layers,
+    speculators_sample,
+)
+from eagle3_target.methods import hf_layer_ids
 from eagle3_target.protocol import TargetInfo
 
 BACKEND = "eagle3-target"
 
 
+# The draft config key that holds its target layers (vLLM capture ids), by speculator type.
+CONFIG_LAYER_KEYS = ("eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids")
+
+
 def draft_layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """The vLLM capture ids the draft will be trained (and deployed) with, as speculators resolves them:
-    `--from-pretrained`'s config, else `--target-layer-ids`, else `[2, L//2, L-3]`."""
+    MTP reads only `[L]`; others `--from-pretrained`'s config, else `--target-layer-ids`, else
+    `[2, L//2, L-3]`."""
+    if getattr(args, "speculator_type", None) == "mtp":
+        return [num_hidden_layers]
     pretrained = getattr(args, "from_pretrained", None)
     if pretrained:
         config_file = Path(pretrained) / "config.json"
         if config_file.is_file():
-            ids = json.loads(config_file.read_text()).get("eagle_aux_hidden_state_layer_ids")
-            if ids is not None:
-                return list(ids)
+            config = json.loads(config_file.read_text())
+            for key in CONFIG_LAYER_KEYS:
+                if config.get(key) is not None:
+                    return list(config[key])
     ids = getattr(args, "target_layer_ids", None)
     if ids:
         return list(ids)
     return [2, num_hidden_layers // 2, num_hidden_layers - 3]
 
 
-def check_layer_ids(draft_ids: list[int], info: TargetInfo) -> None:
-    """The draft's layer ids must be the target's aux ids + 1 (vLLM capture ids), or it trains on one set of
-    layers and is deployed reading another."""
-    expected = speculators_layer_ids(info.aux_layer_ids)
-    if draft_ids != expected:
+def feature_layer_ids(draft_ids: list[int], info: TargetInfo) -> list[int]:
+    """Our ids of the layers in the draft's file before its last slot (h_L): vLLM writes its capture ids
+    ascending with L last, once, so L among the draft's ids is that last slot (MTP's `[L]`: none before it).
+    ValueError, naming the draft's ids and the target's capture set, unless the target captures them all."""
+    last = info.num_hidden_layers
+    ids = sorted(set(draft_ids) - {last})
+    try:
+        layers = hf_layer_ids(ids, last)
+        check_captured(layers, info, f"the draft (target layer ids {draft_ids})")
+    except ValueError as exc:  # a LayoutMismatch, or vLLM's id 0 (the embeddings)
         raise ValueError(
-            f"the draft's target layer ids {draft_ids} are not the served target's: it captures aux layers "
-            f"{info.aux_layer_ids}, which are vLLM capture ids {expected}; pass --target-layer-ids "
-            f"{' '.join(map(str, expected))} (or serve the target with auxLayerIds "
-            f"{[i - 1 for i in draft_ids]})"
-        )
+            f"{exc}; as vLLM capture ids the target captures {[i + 1 for i in info.captured_layers]}"
+        ) from None
+    return layers
 
 
 class Eagle3TargetTransfer(HiddenStatesTransfer):
     """Row i's hidden states from the served target. Picklable: each DataLoader worker process opens its own
     client and dataset on first use, and checks it reaches the same model (fingerprint) as the trainer."""
 
-    def __init__(self, connection: Connection, data_path: str, info: TargetInfo) -> None:
+    def __init__(
+        self, connection: Connection, data_path: str, info: TargetInfo, layer_ids: list[int]
+    ) -> None:
         self.connection = connection
         self.data_path = data_path
-        self.aux_layer_ids = list(info.aux_layer_ids)
+        self.layer_ids = layer_ids
         self.fingerprint = info.fingerprint
         self._pid: int | None = None
         self._client: TargetClient | None = None
@@ -97,10 +118,8 @@ class Eagle3TargetTransfer(HiddenStatesTransfer):
         self.setup()
         assert self._client is not None  # setup() opened it
         input_ids = self._data[file_idx]["input_ids"].to(torch.int64)
-        out = self._client.supervise(input_ids.unsqueeze(0), format="hidden_prenorm")
-        return speculators_sample(
-            out["aux_hidden_states"][0], out["final_hidden_prenorm"][0], input_ids, self.aux_layer_ids
-        )
+        out = fetch_speculators_layers(self._client, input_ids.unsqueeze(0), None, self.layer_ids)
+        return speculators_sample(out["layers"][0], out["final_hidden_prenorm"][0], input_ids, self.layer_ids)
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         raise RuntimeError(f"the {BACKEND} backend computes every row on the target; it never asks vLLM")
@@ -121,6 +140,11 @@ class Eagle3TargetBackend(HiddenStatesBackend):
         parser.add_argument(
             "--eagle3-target-token-file", default=None, help="file holding the target's bearer token"
         )
+        parser.add_argument(
+            "--eagle3-target-kubeconfig",
+            default=None,
+            help="kubeconfig to resolve the name with (default: $KUBECONFIG)",
+        )
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -138,11 +162,12 @@ class Eagle3TargetBackend(HiddenStatesBackend):
             urls=(target,) if by_url else (),
             namespace=getattr(args, "eagle3_target_namespace", None),
             token_file=Path(token_file) if token_file else None,
+            kubeconfig=getattr(args, "eagle3_target_kubeconfig", None),
         )
         with connection.open() as client:
             info = client.info()
-        check_layer_ids(draft_layer_ids(args, info.num_hidden_layers), info)
-        return Eagle3TargetTransfer(connection, data_path, info)
+        layer_ids = feature_layer_ids(draft_layer_ids(args, info.num_hidden_layers), info)
+        return Eagle3TargetTransfer(connection, data_path, info, layer_ids)
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
