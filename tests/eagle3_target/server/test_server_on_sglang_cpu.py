@@ -15,10 +15,11 @@ import httpx
 import psutil
 import pytest
 from eagle3_target.client import TargetClient
-from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS
+from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS, SERVED_FORMATS
 from eagle3_target.tiny import write_tiny_model
 
 from support.cluster.waiting import eventually, free_port
+from support.engine_servers import assert_layers_match, info
 from support.server_process import (
     MAX_BATCH_TOKENS,
     MAX_MODEL_LEN,
@@ -42,7 +43,7 @@ SGLANG_START_SECONDS = 300  # about 15 s here (imports, then loading), with room
 
 @pytest.fixture(scope="module")
 def sglang_server(
-    server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    server: ServerProcess, server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("sglang-server")
     args = [
@@ -53,19 +54,21 @@ def sglang_server(
         "--max-model-len", str(MAX_MODEL_LEN),
         "--model-name", "tiny-llama",
         "--revision", "r1",
+        "--capture-layer-ids", ",".join(map(str, info(server)["capture_layer_ids"])),
         "--engine-arg=max_running_requests=8",
     ]  # fmt: skip
-    server = start_server(directory, args, ready_timeout=SGLANG_START_SECONDS)
-    yield server
-    server.stop()
+    proc = start_server(directory, args, ready_timeout=SGLANG_START_SECONDS)
+    yield proc
+    proc.stop()
 
 
 def test_info_names_the_engine_and_matches_the_hf_server(sglang_server, server):
     ours, theirs = (httpx.get(s.url + "/v1/info").json() for s in (sglang_server, server))
     assert ours["engine"] == "sglang" and theirs["engine"] == "hf"
-    same = ("model", "revision", "dtype", "num_hidden_layers", "hidden_size", "vocab_size", "aux_layer_ids")
+    same = ("model", "revision", "dtype", "num_hidden_layers", "hidden_size", "vocab_size")
+    same += ("aux_layer_ids", "capture_layer_ids")
     assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
-    assert ours["formats"] == list(FORMATS) and ours["max_model_len"] == MAX_MODEL_LEN
+    assert ours["formats"] == list(SERVED_FORMATS) and ours["max_model_len"] == MAX_MODEL_LEN
 
 
 def test_every_format_equals_the_hf_engine(sglang_server, server):
@@ -82,6 +85,10 @@ def test_every_format_equals_the_hf_engine(sglang_server, server):
             want, _ = supervise(client, server.url, {"input_ids": ids, "attention_mask": mask}, **params)
             assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
             assert_close_at_real_positions(got, want, mask, ATOL, fmt)
+
+
+def test_the_layers_format_equals_the_hf_engine_for_five_layers_with_the_last(sglang_server, server):
+    assert_layers_match(sglang_server, server, ATOL)
 
 
 @pytest.mark.parametrize("fmt", ["hidden", "logits", "probs"])

@@ -15,10 +15,11 @@ import httpx
 import psutil
 import pytest
 from eagle3_target.client import TargetClient
-from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS
+from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, FORMATS, SERVED_FORMATS
 from eagle3_target.runners import TargetRunner
 
 from support.cluster.waiting import eventually, free_port
+from support.engine_servers import assert_layers_match, info
 from support.nemo_client import (
     assert_generate_matches,
     generate,
@@ -57,7 +58,7 @@ def capture_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_server(
-    server_model_dir: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    server: ServerProcess, server_model_dir: Path, capture_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     directory = tmp_path_factory.mktemp("vllm-server")
     args = [
@@ -68,20 +69,22 @@ def vllm_server(
         "--max-model-len", str(MAX_MODEL_LEN),
         "--model-name", "tiny-llama",
         "--revision", "r1",
+        "--capture-layer-ids", ",".join(map(str, info(server)["capture_layer_ids"])),
         f"--engine-arg=hidden_states_dir={capture_dir}",
         *ENGINE_ARGS,
     ]  # fmt: skip
-    server = start_server(directory, args, ready_timeout=VLLM_START_SECONDS)
-    yield server
-    server.stop()
+    proc = start_server(directory, args, ready_timeout=VLLM_START_SECONDS)
+    yield proc
+    proc.stop()
 
 
 def test_info_names_the_engine_and_matches_the_hf_server(vllm_server, server):
     ours, theirs = (httpx.get(s.url + "/v1/info").json() for s in (vllm_server, server))
     assert ours["engine"] == "vllm" and theirs["engine"] == "hf"
-    same = ("model", "revision", "dtype", "num_hidden_layers", "hidden_size", "vocab_size", "aux_layer_ids")
+    same = ("model", "revision", "dtype", "num_hidden_layers", "hidden_size", "vocab_size")
+    same += ("aux_layer_ids", "capture_layer_ids")
     assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
-    assert ours["formats"] == list(FORMATS)
+    assert ours["formats"] == list(SERVED_FORMATS)
     # vLLM needs one slot of its max_model_len for the token it generates, so rows are one shorter.
     assert ours["max_model_len"] == MAX_MODEL_LEN - 1 and theirs["max_model_len"] == MAX_MODEL_LEN
 
@@ -98,6 +101,10 @@ def test_every_format_equals_the_hf_engine(vllm_server, server):
             want, _ = supervise(client, server.url, {"input_ids": ids, "attention_mask": mask}, **params)
             assert sorted(got) == sorted(want) == sorted(spec.tensors), fmt
             assert_close_at_real_positions(got, want, mask, ATOL, fmt)
+
+
+def test_the_layers_format_equals_the_hf_engine_for_five_layers_with_the_last(vllm_server, server):
+    assert_layers_match(vllm_server, server, ATOL)
 
 
 @pytest.mark.parametrize("fmt", ["hidden", "logits", "probs"])
