@@ -208,7 +208,7 @@ class VLLMRunner(RebuiltHeadRunner):
                 # After the engine starts, so CUDA is not initialised before vLLM forks its workers.
                 dtype = self._llm.model_config.dtype
                 self._head = TargetHead.load(self._model_path, self._config, dtype, self._device)
-            check_logits_rebuild(self)
+            check_logits_rebuild(self.capture, self.model, self.max_prompt_len)
         except BaseException:
             self.stop_engine()
             raise

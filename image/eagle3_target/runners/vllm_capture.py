@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +21,11 @@ from torch import Tensor
 
 from eagle3_target.contract import validate_capture_layer_ids
 from eagle3_target.runners.base import ModelRefused
+from eagle3_target.runners.head import TargetHead
 
-if TYPE_CHECKING:
-    from eagle3_target.runners.vllm import VLLMRunner
+# `VLLMRunner.capture`: one `generate` call of the prompts with these sampling parameters, each row's
+# captured states (h_L in the last slot) and vLLM's output for it.
+Capture = Callable[[list[list[int]], Any], Generator[tuple[Tensor, Any]]]
 
 HIDDEN_STATES_CONNECTOR = "ExampleHiddenStatesConnector"
 HIDDEN_STATES_PATH_KEY = "hidden_states_path"
@@ -175,7 +177,7 @@ def compare_logprobs(rebuilt: Sequence[Tensor], engine: Sequence[Tensor]) -> tup
     return scale, max_diff
 
 
-def check_logits_rebuild(runner: VLLMRunner) -> None:
+def check_logits_rebuild(capture: Capture, head: TargetHead, max_prompt_len: int) -> None:
     """The logits rebuilt from the captured final state must be vLLM's own, in value, not only argmax.
 
     At each check prompt's last position vLLM samples greedily and returns its top log-probabilities
@@ -186,15 +188,14 @@ def check_logits_rebuild(runner: VLLMRunner) -> None:
     """
     from vllm import SamplingParams
 
-    head = runner.model
     gen = torch.Generator().manual_seed(0)
-    length = min(REBUILD_CHECK_TOKENS, runner.max_prompt_len)
+    length = min(REBUILD_CHECK_TOKENS, max_prompt_len)
     prompts = torch.randint(0, head.config.vocab_size, (REBUILD_CHECK_PROMPTS, length), generator=gen)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=REBUILD_CHECK_LOGPROBS)
     agreeing = 0
     rebuilt: list[Tensor] = []
     engine: list[Tensor] = []
-    with contextlib.closing(runner.capture(prompts.tolist(), params)) as captures:
+    with contextlib.closing(capture(prompts.tolist(), params)) as captures:
         for states, completion in captures:
             last = states[-1:, -1].to(device=head.norm.device, dtype=head.norm.dtype)  # h_L: the last slot
             normed = rms_norm(last, head.norm, head.config.rms_norm_eps)
