@@ -19,7 +19,9 @@ import json
 import logging
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import eagle3_target.integrations.speculators as backend  # registers the backend before speculators' CLI
 import pytest
@@ -29,12 +31,25 @@ from eagle3_target.integrations.exporter import export
 from eagle3_target.integrations.layouts import SpeculatorsLayout
 from eagle3_target.integrations.rows import PreparedRows
 from eagle3_target.methods import method, vllm_capture_ids
+from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import load_file
 
+from support.server_process import start_server
 from support.targets import create_target, target_status, write_status
-from support.trainer_rows import CAPTURE_LAYER_IDS, write_vllm_files
+from support.trainer_rows import (
+    CAPTURE_LAYER_IDS,
+    MAX_BATCH_TOKENS,
+    MAX_MODEL_LEN,
+    make_rows,
+    write_vllm_files,
+)
+from support.vllm_datagen import generate_offline_data, select_capture_ids, vllm_server
 
-NUM_LAYERS = 8  # the bf16 tiny Llama's
+NUM_LAYERS = 8  # the tiny Llamas'
+# What vLLM captures for speculators' data generation: every method's vLLM ids (our captured layers + 1), L.
+DATAGEN_CAPTURE_IDS = [*vllm_capture_ids(CAPTURE_LAYER_IDS), NUM_LAYERS]
+# Losses online vs on vLLM's files: the features agree to about 1e-5 (fp32), then both are cast to bf16.
+LOSS_RTOL = 1e-3
 
 TOTAL_SEQ_LEN = 128
 
@@ -274,27 +289,66 @@ def test_two_speculators_training_steps_give_the_same_losses_online_offline_and_
     assert online == reference
 
 
-@pytest.mark.parametrize("speculator_type", ["peagle", "dflash", "dspark"])
-def test_each_draft_method_trains_online_as_on_vllm_files(
-    speculator_type, files, rows, plain_model, bf16_model_dir, bf16_server, tmp_path, cpu_shims, monkeypatch
+@pytest.fixture(scope="module")
+def fp32_target(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """An fp32 tiny Llama, served by us (capturing CAPTURE_LAYER_IDS), and the files speculators' own data
+    generation writes for the rows from vLLM's CPU build capturing every method's layers (vLLM ids 2..8):
+    one engine for the module, stopped once the files are written. fp32, because vLLM's kernels and
+    transformers' agree to about 1e-5 there (bf16 would differ by its rounding)."""
+    from datasets import Dataset
+    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+
+    root = tmp_path_factory.mktemp("fp32-target")
+    model_dir = write_tiny_model(root / "model", arch="llama", dtype="float32")
+    rows = make_rows()
+    prepared = build_speculator_training_dataset(
+        Dataset.from_list(rows), processor=None, max_length=64, num_proc=1
+    )
+    prepared.save_to_disk(str(root / "prepared"))
+    with vllm_server(model_dir, DATAGEN_CAPTURE_IDS, root, MAX_MODEL_LEN) as endpoint:
+        datagen = generate_offline_data(endpoint, model_dir, root / "prepared", root / "datagen")
+    server = start_server(
+        root,
+        [
+            "--model", str(model_dir), "--engine", "hf", "--dtype", "float32",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-batch-tokens", str(MAX_BATCH_TOKENS),
+            "--capture-layer-ids", ",".join(map(str, CAPTURE_LAYER_IDS)),
+        ],
+    )  # fmt: skip
+    yield {"model": model_dir, "prepared": root / "prepared", "datagen": datagen, "url": server.url}
+    server.stop()
+
+
+@pytest.mark.parametrize("speculator_type", ["eagle3", "peagle", "dflash", "dspark"])
+def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
+    speculator_type, fp32_target, tmp_path, cpu_shims, monkeypatch
 ):
-    reference_files = write_vllm_files(
-        plain_model, rows, method_capture_ids(speculator_type), tmp_path / "reference"
+    """Two steps online against our server give the losses of two steps on the files speculators'
+    `generate-offline-data` wrote from vLLM, to vLLM's fp32 agreement with transformers."""
+    datagen = select_capture_ids(
+        fp32_target["datagen"], DATAGEN_CAPTURE_IDS, method_capture_ids(speculator_type), tmp_path / "datagen"
     )
 
     def argv(name: str, *source: str) -> list[str]:
-        return train_argv(speculator_type, bf16_model_dir, files["prepared"], tmp_path / name, *source)
+        model, prepared = fp32_target["model"], fp32_target["prepared"]
+        return train_argv(speculator_type, model, prepared, tmp_path / name, *source)
 
     reference = train(
-        argv("reference", "--num-workers", "0", "--hidden-states-path", str(reference_files)), monkeypatch
+        argv("datagen", "--num-workers", "0", "--hidden-states-path", str(datagen)), monkeypatch
     )
     online = train(
         argv("online", "--num-workers", "0", "--hidden-states-backend", "eagle3-target",
-             "--eagle3-target", bf16_server.url),
+             "--eagle3-target", fp32_target["url"]),
         monkeypatch,
     )  # fmt: skip
     assert_two_real_steps(reference)
-    assert online == reference
+    assert [sorted(entry) for entry in online] == [sorted(entry) for entry in reference]
+    for got, want in zip(online, reference, strict=True):
+        for phase in ("train", "val"):
+            losses = {name: value for name, value in want.get(phase, {}).items() if "loss" in name}
+            for name, value in losses.items():
+                assert got[phase][name] == pytest.approx(value, rel=LOSS_RTOL), (phase, name)
+            assert phase not in want or losses
 
 
 def test_a_draft_trains_on_a_target_found_by_name(
