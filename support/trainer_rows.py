@@ -12,10 +12,11 @@ Nothing here uses eagle3_target's runners or formats.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 NUM_ROWS = 12
@@ -73,6 +74,29 @@ def sglang_record(model: nn.Module, row: dict[str, list[int]], aux_layer_ids: li
             torch.bfloat16
         ),
     }
+
+
+def add_mtp_head(model_dir: Path, out: Path, seed: int = 5) -> Path:
+    """A copy of a tiny Qwen3 checkpoint (one safetensors file) with a native MTP head, as Qwen3-Next and
+    Qwen3.5 ship it (`mtp.fc`, `mtp.norm`, `mtp.pre_fc_norm_hidden|embedding`, `mtp.layers.0.*`): what
+    speculators' MTP draft is extracted from. Random like the rest; its decoder layer starts near layer 0's.
+    vLLM refuses `mtp.*` tensors for a plain Qwen3, so it serves the original (the same decoder stack)."""
+    shutil.copytree(model_dir, out)
+    model_dir = out
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    hidden = weights["model.norm.weight"].shape[0]
+    head = {
+        f"mtp.layers.0.{name.removeprefix('model.layers.0.')}": w + 0.01 * torch.randn(w.shape, generator=g)
+        for name, w in weights.items()
+        if name.startswith("model.layers.0.")
+    }
+    head["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=g)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        head[f"mtp.{norm}.weight"] = 1 + 0.2 * torch.randn(hidden, generator=g)
+    save_file(weights | head, path, metadata={"format": "pt"})
+    return model_dir
 
 
 def write_vllm_files(

@@ -34,13 +34,13 @@ from eagle3_target.methods import method, vllm_capture_ids
 from eagle3_target.tiny import write_tiny_model
 from safetensors.torch import load_file
 
-from support.server_process import start_server
+from support.server_process import ServerProcess, start_server
 from support.targets import create_target, target_status, write_status
 from support.trainer_rows import (
     CAPTURE_LAYER_IDS,
     MAX_BATCH_TOKENS,
     MAX_MODEL_LEN,
-    make_rows,
+    add_mtp_head,
     write_vllm_files,
 )
 from support.vllm_datagen import generate_offline_data, select_capture_ids, vllm_server
@@ -226,26 +226,24 @@ def train(argv: list[str], monkeypatch) -> list[dict]:
     return logged
 
 
-def train_argv(
-    speculator_type: str, bf16_model_dir: Path, prepared: Path, save: Path, *source: str
-) -> list[str]:
-    """speculators' `train` flags for two steps of a tiny draft of this type on the CPU."""
+def train_argv(speculator_type: str, verifier: Path, prepared: Path, save: Path, *source: str) -> list[str]:
+    """speculators' `train` flags for two steps of a tiny draft of this type on the CPU. MTP takes neither
+    layer ids (it reads only L), an attention choice nor a mask token (speculators refuses them)."""
+    layer_ids = [str(k) for k in vllm_capture_ids(method(speculator_type).default_layer_ids(NUM_LAYERS))]
+    draft = ["--target-layer-ids", *layer_ids, "--draft-attn-impl", "sdpa", "--mask-token-id", "0"]
     own = {
-        "eagle3": [],
-        "peagle": ["--max-anchors", "32"],
-        "dflash": ["--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
-        "dspark": ["--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
+        "eagle3": draft,
+        "peagle": [*draft, "--max-anchors", "32"],
+        "dflash": [*draft, "--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
+        "dspark": [*draft, "--block-size", "4", "--max-anchors", "16", "--num-layers", "1"],
+        "mtp": [],
     }[speculator_type]
-    layer_ids = vllm_capture_ids(method(speculator_type).default_layer_ids(NUM_LAYERS))
     return [
         "--speculator-type", speculator_type,
-        "--verifier-name-or-path", str(bf16_model_dir),
+        "--verifier-name-or-path", str(verifier),
         "--data-path", str(prepared),
         "--save-path", str(save),
-        "--target-layer-ids", *map(str, layer_ids),
-        "--draft-attn-impl", "sdpa",
         "--loss-implementation", "eager",
-        "--mask-token-id", "0",
         "--total-seq-len", str(TOTAL_SEQ_LEN),
         "--epochs", "1",
         "--max-steps", "2",
@@ -290,55 +288,67 @@ def test_two_speculators_training_steps_give_the_same_losses_online_offline_and_
 
 
 @pytest.fixture(scope="module")
-def fp32_target(tmp_path_factory) -> Iterator[dict[str, Any]]:
-    """An fp32 tiny Llama, served by us (capturing CAPTURE_LAYER_IDS), and the files speculators' own data
-    generation writes for the rows from vLLM's CPU build capturing every method's layers (vLLM ids 2..8):
-    one engine for the module, stopped once the files are written. fp32, because vLLM's kernels and
-    transformers' agree to about 1e-5 there (bf16 would differ by its rounding)."""
-    from datasets import Dataset
-    from speculators.data_generation.preprocessing import build_speculator_training_dataset
+def fp32_targets(files, tmp_path_factory) -> Iterator[dict[str, dict[str, Any]]]:
+    """Per verifier, started on first use: an fp32 tiny model served by us (capturing CAPTURE_LAYER_IDS),
+    and the files speculators' own data generation writes for the rows from vLLM's CPU build, capturing
+    `datagen_ids` (vLLM ids); the engine stops once they are written. "llama" feeds every method but MTP
+    (its datagen captures all their layers, 2..8); "qwen3-mtp", a Qwen3 with a native MTP head, feeds MTP
+    (only L). fp32: vLLM's kernels and transformers' agree to about 1e-5 there (bf16: to its rounding)."""
+    servers: list[ServerProcess] = []
 
-    root = tmp_path_factory.mktemp("fp32-target")
-    model_dir = write_tiny_model(root / "model", arch="llama", dtype="float32")
-    rows = make_rows()
-    prepared = build_speculator_training_dataset(
-        Dataset.from_list(rows), processor=None, max_length=64, num_proc=1
-    )
-    prepared.save_to_disk(str(root / "prepared"))
-    with vllm_server(model_dir, DATAGEN_CAPTURE_IDS, root, MAX_MODEL_LEN) as endpoint:
-        datagen = generate_offline_data(endpoint, model_dir, root / "prepared", root / "datagen")
-    server = start_server(
-        root,
-        [
-            "--model", str(model_dir), "--engine", "hf", "--dtype", "float32",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-batch-tokens", str(MAX_BATCH_TOKENS),
-            "--capture-layer-ids", ",".join(map(str, CAPTURE_LAYER_IDS)),
-        ],
-    )  # fmt: skip
-    yield {"model": model_dir, "prepared": root / "prepared", "datagen": datagen, "url": server.url}
-    server.stop()
+    class Lazy(dict):
+        def __missing__(self, name: str) -> dict[str, Any]:
+            root = tmp_path_factory.mktemp(name)
+            model_dir = vllm_model_dir = write_tiny_model(
+                root / "model", arch="llama" if name == "llama" else "qwen3", dtype="float32"
+            )
+            if name != "llama":
+                model_dir = add_mtp_head(vllm_model_dir, root / "model-mtp")
+            datagen_ids = DATAGEN_CAPTURE_IDS if name == "llama" else [NUM_LAYERS]
+            with vllm_server(vllm_model_dir, datagen_ids, root, MAX_MODEL_LEN) as endpoint:
+                datagen = generate_offline_data(endpoint, vllm_model_dir, files["prepared"], root / "datagen")
+            server = start_server(
+                root,
+                [
+                    "--model", str(model_dir), "--engine", "hf", "--dtype", "float32",
+                    "--max-model-len", str(MAX_MODEL_LEN), "--max-batch-tokens", str(MAX_BATCH_TOKENS),
+                    "--capture-layer-ids", ",".join(map(str, CAPTURE_LAYER_IDS)),
+                ],
+            )  # fmt: skip
+            servers.append(server)
+            self[name] = {
+                "model": model_dir,
+                "datagen": datagen,
+                "datagen_ids": datagen_ids,
+                "url": server.url,
+            }
+            return self[name]
+
+    yield Lazy()
+    for server in servers:
+        server.stop()
 
 
-@pytest.mark.parametrize("speculator_type", ["eagle3", "peagle", "dflash", "dspark"])
+@pytest.mark.parametrize("speculator_type", ["eagle3", "peagle", "dflash", "dspark", "mtp"])
 def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
-    speculator_type, fp32_target, tmp_path, cpu_shims, monkeypatch
+    speculator_type, fp32_targets, files, tmp_path, cpu_shims, monkeypatch
 ):
     """Two steps online against our server give the losses of two steps on the files speculators'
     `generate-offline-data` wrote from vLLM, to vLLM's fp32 agreement with transformers."""
+    target = fp32_targets["qwen3-mtp" if speculator_type == "mtp" else "llama"]
     datagen = select_capture_ids(
-        fp32_target["datagen"], DATAGEN_CAPTURE_IDS, method_capture_ids(speculator_type), tmp_path / "datagen"
+        target["datagen"], target["datagen_ids"], method_capture_ids(speculator_type), tmp_path / "datagen"
     )
 
     def argv(name: str, *source: str) -> list[str]:
-        model, prepared = fp32_target["model"], fp32_target["prepared"]
-        return train_argv(speculator_type, model, prepared, tmp_path / name, *source)
+        return train_argv(speculator_type, target["model"], files["prepared"], tmp_path / name, *source)
 
     reference = train(
         argv("datagen", "--num-workers", "0", "--hidden-states-path", str(datagen)), monkeypatch
     )
     online = train(
         argv("online", "--num-workers", "0", "--hidden-states-backend", "eagle3-target",
-             "--eagle3-target", fp32_target["url"]),
+             "--eagle3-target", target["url"]),
         monkeypatch,
     )  # fmt: skip
     assert_two_real_steps(reference)
