@@ -1,8 +1,11 @@
 """speculators 0.9 (the real package) trains on a served target, online through the `eagle3-target`
-hidden-states backend and offline on `eagle3-target export speculators` files, exactly as on the files
-vLLM's hidden-states connector would have written (the reference: a plain transformers forward per row, the
-way vLLM captures; see support/trainer_rows.py), for every draft method speculators trains: EAGLE-3,
-P-EAGLE, DFlash and DSpark (their layers from methods.py, captured by the served target).
+hidden-states backend and offline on `eagle3-target export speculators` files, for every draft method it
+trains (EAGLE-3, P-EAGLE, DFlash, DSpark, MTP; their layers from methods.py, captured by the target):
+- bit-exact against files written the way vLLM captures (a plain transformers forward per row, bf16; see
+  support/trainer_rows.py): the exported files of every method, EAGLE-3's loader batches and losses, and a
+  DFlash draft trained on a target found by name;
+- against speculators' own `generate-offline-data` on vLLM's CPU build (fp32, support/vllm_datagen.py):
+  two online steps of each method give its losses on vLLM's files, to vLLM's agreement with transformers.
 
 CPU shims, only here, for speculators lines that assume CUDA (speculators/train/trainer.py, train/cli.py):
 - `Trainer` moves model and batches with `.to(local_rank)` (an int: a CUDA device): `get_local_rank` -> "cpu";
