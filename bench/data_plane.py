@@ -47,7 +47,7 @@ import httpx
 import numpy as np
 import torch
 from eagle3_target.client import TargetClient
-from eagle3_target.protocol import LAYERS_FORMAT
+from eagle3_target.protocol import LAYERS_FORMAT, LayerSelection
 from eagle3_target.server.streaming import CHUNK_BYTES
 
 from support.cluster.waiting import LOOPBACK, free_port
@@ -81,8 +81,8 @@ class Case:
         """The answer as a trainer reads it: `supervise` for an EAGLE-3 format, `hidden_states` for layers."""
         if self.params["format"] != LAYERS_FORMAT:
             return client.supervise(ids, format=self.params["format"])
-        layers = [int(i) for i in self.params["layers"].split(",")]
-        return client.hidden_states(ids, layers=layers, final=self.params["final"])
+        wanted = LayerSelection.parse(self.params["layers"], self.params["final"], self.capture_layer_ids)
+        return client.hidden_states(ids, layers=wanted.layers, final=wanted.final)
 
 
 # The default aux layers of an 8-layer model, [1, 3, 4], are what `hidden` ships beside the final state.

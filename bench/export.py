@@ -48,7 +48,7 @@ from eagle3_target.contract import select_layers
 from eagle3_target.integrations.exporter import export, pack, padded
 from eagle3_target.integrations.layouts import Layout, SpecForgeLayout, SpeculatorsLayout
 from eagle3_target.integrations.rows import JsonlRows
-from eagle3_target.protocol import FINAL_STATES, FORMATS, TargetInfo
+from eagle3_target.protocol import FINAL_STATES, FORMATS, FinalState, TargetInfo
 from eagle3_target.runners import TargetRunner, load_runner
 from eagle3_target.tiny import write_tiny_model
 from torch import Tensor
@@ -106,7 +106,7 @@ class InProcessTarget:
             return {"aux_hidden_states": aux.cpu(), FORMATS[format].tensors[1]: final.cpu()}
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None, layers: Sequence[int], final: str
+        self, input_ids: Tensor, attention_mask: Tensor | None, layers: Sequence[int], final: FinalState
     ) -> dict[str, Tensor]:
         """The `layers` format (what the speculators layout asks for), from the runner's capture set."""
         with self._lock, torch.inference_mode():

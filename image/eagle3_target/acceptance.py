@@ -35,7 +35,7 @@ SeqLenOption = Annotated[int, typer.Option(help="row length (the suite scales it
 RepeatsOption = Annotated[int, typer.Option(help="timed calls per measurement")]
 SeedOption = Annotated[int, typer.Option()]
 MinArgmaxOption = Annotated[float, typer.Option(help="least top-1 agreement of the logits with HF's")]
-MinCosineOption = Annotated[float, typer.Option(help="least mean cosine of each aux layer with HF's")]
+MinCosineOption = Annotated[float, typer.Option(help="least mean cosine of each captured layer with HF's")]
 EngineArgOption = Annotated[list[str] | None, typer.Option(help="the engine's KEY=VALUE, repeatable")]
 
 
@@ -68,17 +68,17 @@ def timed(forward: Callable[[], Any], repeats: int) -> tuple[Any, float]:
     return result, (time.perf_counter() - start) / max(1, repeats)
 
 
-def aux_cosines(aux: Tensor, reference: Tensor, valid: Tensor, hidden_size: int) -> list[float]:
-    """Mean cosine similarity per aux layer over the real (unpadded) positions."""
+def layer_cosines(captured: Tensor, reference: Tensor, valid: Tensor, hidden_size: int) -> list[float]:
+    """Mean cosine similarity per captured layer over the real (unpadded) positions."""
     return [
         torch.nn.functional.cosine_similarity(
-            aux[..., i * hidden_size : (i + 1) * hidden_size][valid].float(),
+            captured[..., i * hidden_size : (i + 1) * hidden_size][valid].float(),
             reference[..., i * hidden_size : (i + 1) * hidden_size][valid].float(),
             dim=-1,
         )
         .mean()
         .item()
-        for i in range(aux.shape[-1] // hidden_size)
+        for i in range(captured.shape[-1] // hidden_size)
     ]
 
 
@@ -155,7 +155,7 @@ class Reference:
         valid = mask.bool().to(self.device)
         e_logits = e_logits.to(self.device)
         argmax = (e_logits.argmax(-1) == h_logits.argmax(-1))[valid].float().mean().item()
-        cosines = aux_cosines(e_aux.to(self.device), h_aux, valid, runner.model.config.hidden_size)
+        cosines = layer_cosines(e_aux.to(self.device), h_aux, valid, runner.model.config.hidden_size)
         diff = (e_logits[valid].float() - h_logits[valid].float()).abs()
         mean_diff = diff.mean().item()
         logits_ok = self.max_mean_logit_diff is None or mean_diff <= self.max_mean_logit_diff
@@ -164,7 +164,7 @@ class Reference:
             "capture_layer_ids": runner.capture_layer_ids,
             "tokens": int(mask.sum()),
             "argmax_agreement": round(argmax, 4),
-            "aux_cosine_per_layer": [round(c, 5) for c in cosines],
+            "cosine_per_captured_layer": [round(c, 5) for c in cosines],
             "max_abs_logit_diff": float(f"{diff.max().item():.3g}"),
             "mean_abs_logit_diff": float(f"{mean_diff:.3g}"),
         }

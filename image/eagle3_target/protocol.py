@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -74,7 +74,8 @@ LAYERS_FORMAT = "layers"
 LAYERS_TENSOR = "hidden_states"
 NO_LAYERS = "none"
 # `final=` values and the tensor each ships (none: no final state).
-FINAL_STATES: dict[str, str | None] = {
+FinalState = Literal["none", "prenorm", "postnorm"]
+FINAL_STATES: dict[FinalState, str | None] = {
     "none": None,
     "prenorm": "final_hidden_prenorm",
     "postnorm": "final_hidden",
@@ -89,7 +90,7 @@ class LayerSelection:
     state. The client builds its query from it, the server parses the query into it."""
 
     layers: tuple[int, ...]
-    final: str = "none"
+    final: FinalState = "none"
 
     def __post_init__(self) -> None:
         if self.final not in FINAL_STATES:
@@ -123,22 +124,26 @@ class LayerSelection:
             raise ValueError(
                 f"layers {uncaptured} are not captured by this target; it captures {list(captured)}"
             )
-        return cls(tuple(layers), final)
+        return cls(tuple(layers), cast(FinalState, final))  # __post_init__ checks `final`
 
     @classmethod
     def parse(cls, layers: str | None, final: str | None, captured: Sequence[int]) -> LayerSelection:
-        """From the query's `layers` (a CSV of captured ids, `none`, or absent for every captured layer in
-        capture order) and `final`; ValueError says what is wrong."""
-        if layers is None:
-            return cls.checked(captured, final or "none", captured)
-        if layers.strip() == NO_LAYERS:
-            return cls.checked((), final or "none", captured)
-        words = [word.strip() for word in layers.split(",")]
-        if not all(word.lstrip("-").isdigit() for word in words):
-            raise ValueError(
-                f"layers must be a comma-separated list of layer ids or {NO_LAYERS!r}, got {layers!r}"
-            )
-        return cls.checked([int(word) for word in words], final or "none", captured)
+        """From the query's `layers` (`parse_layer_ids`; absent: every captured layer, in capture order)
+        and `final`; ValueError says what is wrong."""
+        wanted = tuple(captured) if layers is None else parse_layer_ids(layers)
+        return cls.checked(wanted, final or "none", captured)
+
+
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+    """Layer ids written as a comma-separated list (`1,5,9`), or `none` for no layers."""
+    if text.strip() == NO_LAYERS:
+        return ()
+    try:
+        return tuple(int(word) for word in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"layers must be a comma-separated list of layer ids or {NO_LAYERS!r}, got {text!r}"
+        ) from None
 
 
 class TargetInfo(BaseModel):

@@ -70,7 +70,7 @@ def test_a_wrong_layer_and_a_file_left_behind_fail_the_suite(script, tiny_llama_
     monkeypatch.setattr(sglang, "start_model_runner", leaving_a_file)
     code, lines = run_suite(script, tiny_llama_dir, "--checks", "S1-agreement,nothing-left-behind")
     assert [line["pass"] for line in lines] == [False, False], lines
-    assert lines[0]["aux_cosine_per_layer"][0] < 0 < lines[0]["aux_cosine_per_layer"][1]
+    assert lines[0]["cosine_per_captured_layer"][0] < 0 < lines[0]["cosine_per_captured_layer"][1]
     assert len(lines[1]["new_scratch_files"]) == 1
     assert code == 1
 

@@ -62,7 +62,7 @@ def test_a_wrong_layer_fails_its_check_and_the_suite(script, model_dir, tmp_path
     monkeypatch.setattr(fake_vllm.LLM, "capture_fault", staticmethod(negate_first_aux))
     code, lines = run_suite(script, model_dir, tmp_path, "--checks", "C2-many-requests,C10-file-hygiene")
     assert [line["pass"] for line in lines] == [False, True]
-    assert lines[0]["aux_cosine_per_layer"][0] < 0 < lines[0]["aux_cosine_per_layer"][1]
+    assert lines[0]["cosine_per_captured_layer"][0] < 0 < lines[0]["cosine_per_captured_layer"][1]
     assert code == 1
 
 

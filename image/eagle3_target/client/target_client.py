@@ -36,6 +36,7 @@ from eagle3_target.protocol import (
     FORMATS,
     LOGITS_DTYPES,
     WEIGHT_NAMES,
+    FinalState,
     LayerSelection,
     TargetInfo,
 )
@@ -183,7 +184,7 @@ class TargetClient:
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         layers: Sequence[int] | None = None,
-        final: str = "none",
+        final: FinalState = "none",
     ) -> dict[str, Tensor]:
         """The `layers` format: any captured layers and the last hidden state, for any draft method.
 

@@ -1,7 +1,8 @@
-"""The engine seam: what every target runner (HF in-process, vLLM, a remote client) provides.
+"""The engine seam: what every engine's runner (HF, vLLM, SGLang) provides to the server.
 
 The supervision contract and the server depend only on this protocol, so engines stay swappable and the
-contract is testable without any engine installed.
+contract is testable without any engine installed. It captures a capture set, any layers, where NeMo's
+runner surface (which `client.runner_adapter` gives a remote target) captures exactly the three aux layers.
 """
 
 from __future__ import annotations

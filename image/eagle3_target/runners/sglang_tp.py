@@ -2,7 +2,7 @@
 processes run (`sglang/srt/entrypoints/engine.py` starts one per rank; each builds a `ModelRunner` for its
 tp_rank and joins the process groups at `server_args.nccl_port`, gloo on CPU and NCCL on CUDA).
 
-Every rank runs each command (set the aux layers, one extend forward) in lockstep: the forwards meet in
+Every rank runs each command (set the captured layers, one extend forward) in lockstep: the forwards meet in
 SGLang's all-reduces and all-gathers, so the hidden states each rank captures are whole and rank 0's are
 sent back. A command that raises on every rank fails that call only: the ranks are still in step and run
 the next one. A rank that fails to start, dies, loses its device (`process_lost`) or is left out of step
@@ -213,8 +213,8 @@ class RankProcesses:
         self._call("set_layers", layers)
 
     def extend(self, prompts: list[list[int]], prenorm: bool) -> tuple[Tensor, Tensor]:
-        final, aux = self._call("extend", prompts, prenorm)[0]
-        return final, aux
+        final, captured = self._call("extend", prompts, prenorm)[0]
+        return final, captured
 
     def plain_prefill(self, prompts: list[list[int]]) -> None:
         self._call("plain_prefill", prompts)

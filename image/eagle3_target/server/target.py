@@ -138,9 +138,6 @@ def load_target(settings: ServerSettings, tracker: LoadTracker | None = None) ->
     # An engine may take fewer tokens than its context (vLLM keeps one slot for the generated token).
     max_len = min(max_len, getattr(runner, "max_prompt_len", max_len))
     dtype_name = str(facts.dtype).removeprefix("torch.")
-    if runner.capture_layer_ids != capture_ids:
-        runner.close()
-        raise LoadFailed(f"the engine captures layers {runner.capture_layer_ids}, not {capture_ids}")
     fingerprint = model_fingerprint(
         settings.model,
         model_name=settings.display_name,

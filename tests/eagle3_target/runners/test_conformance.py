@@ -19,7 +19,6 @@ import functools
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,9 @@ from eagle3_target.runners import TargetRunner, load_runner
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from support.hidden_states import TransformersStates, transformers_states
 from support.supervision import ragged_rows
+from support.vllm_runner import CPU_ENGINE_ARGS
 
 NUM_LAYERS = 8  # the tiny checkpoints'
 LAST = NUM_LAYERS - 1
@@ -52,7 +53,7 @@ def engine_kwargs(engine: str, scratch: Path) -> dict[str, object]:
             "hidden_states_dir": str(scratch),
             "max_model_len": 64,
             "max_batch_tokens": 256,
-            "enforce_eager": "true",
+            **CPU_ENGINE_ARGS,
         }
     if engine == "sglang":
         return {"max_model_len": 64, "max_batch_tokens": 256}
@@ -98,35 +99,13 @@ def runners(
     opened.close()
 
 
-@dataclass(frozen=True)
-class Expected:
-    """What transformers computes for the batch: each decoder layer's output (L-1 before the final norm),
-    the post-norm final state and the logits."""
-
-    layers: dict[int, Tensor]
-    postnorm: Tensor
-    logits: Tensor
-
-    def captured(self, layer_ids: list[int]) -> Tensor:
-        return torch.cat([self.layers[i] for i in layer_ids], dim=-1)
-
-
 @functools.cache
-def expected(path: Path) -> tuple[Tensor, Tensor, Expected]:
+def expected(path: Path) -> tuple[Tensor, Tensor, TransformersStates]:
     """(input_ids, attention_mask, what transformers computes for them) on the checkpoint at `path`."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.num_hidden_layers == NUM_LAYERS
     input_ids, mask = ragged_rows(model.config.vocab_size)
-    kept: list[Tensor] = []
-    hook = model.model.layers[LAST].register_forward_hook(
-        lambda _module, _inputs, output: kept.append(output[0] if isinstance(output, tuple) else output)
-    )
-    with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    hook.remove()
-    states = out.hidden_states
-    assert len(states) == NUM_LAYERS + 1 and len(kept) == 1
-    layers = {i: states[i + 1] for i in range(LAST)} | {LAST: kept[0]}
-    return input_ids, mask, Expected(layers, states[NUM_LAYERS], out.logits)
+    return input_ids, mask, transformers_states(model, input_ids, mask)
 
 
 def assert_captures(runner: TargetRunner, engine: str, path: Path, layer_ids: list[int]) -> None:
@@ -143,7 +122,7 @@ def assert_captures(runner: TargetRunner, engine: str, path: Path, layer_ids: li
     for got in (captured, captured_prenorm, captured_eagle3):
         torch.testing.assert_close(got[valid], want.captured(layer_ids)[valid], **tol)
     torch.testing.assert_close(final[valid], want.postnorm[valid], **tol)
-    torch.testing.assert_close(prenorm[valid], want.layers[LAST][valid], **tol)
+    torch.testing.assert_close(prenorm[valid], want.prenorm[valid], **tol)
     torch.testing.assert_close(logits[valid], want.logits[valid], **tol)
 
 
@@ -153,6 +132,7 @@ def test_a_capture_set_in_any_order_matches_transformers(
 ):
     path = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
     runner = runners.get(engine, arch)
+    runner.set_capture_layers(FIVE)  # as loaded, unless another test changed it since
     assert_captures(runner, engine, path, FIVE)
     runner.set_capture_layers(FIVE_REORDERED)
     assert_captures(runner, engine, path, FIVE_REORDERED)

@@ -179,6 +179,11 @@ def test_a_load_that_fails_after_listening_ends_the_server_too(tiny_qwen3_dir: P
     [
         (["--aux-layer-ids", "0", "1", "99"], "aux layer id 99 is out of range for a model with 8 layers"),
         (["--capture-layer-ids", "1,3,8"], "capture layer id 8 is out of range for a model with 8 layers"),
+        (["--capture-layer-ids", "1,3,4,3"], "capture layer ids must be distinct, got [1, 3, 4, 3]"),
+        (
+            ["--capture-layer-ids", ",".join(map(str, range(33)))],
+            "a capture set has 1 to 32 layer ids, got 33",
+        ),
         (
             ["--capture-layer-ids", "1,3,5,7"],  # the default aux layers of 8 layers are [1, 3, 4]
             "the aux layers [1, 3, 4] must be captured, but the capture set [1, 3, 5, 7] lacks [4]",

@@ -159,8 +159,8 @@ def _layers_plan(
     except ValueError as exc:
         raise Unprocessable(str(exc)) from None
     return _Plan(
-        # The final state asked for picks the runner's pass (before or after the norm); the layers do not.
-        batch_key=("supervision", LAYERS_FORMAT, selection.final == "postnorm", selection),
+        # Requests batched together share one computation, so they must want the same tensors.
+        batch_key=("supervision", LAYERS_FORMAT, selection),
         compute=layers_compute(target, selection),
         answer_bytes=lambda tokens: layers_answer_bytes(target, selection, tokens),
         metadata={
