@@ -7,6 +7,7 @@ from eagle3_target.runners.base import ForwardHiddenUnsupported
 from eagle3_target.runners.hf import HFRunner
 from transformers import AutoModelForCausalLM, GraniteConfig
 
+from support.hidden_states import transformers_states
 from support.supervision import token_batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -107,10 +108,8 @@ def test_default_capture_set_is_the_aux_layers_and_any_set_can_follow(tiny_llama
     # Any number of layers, the last one (L-1) included: it is h_L, the last state before the final norm.
     runner.set_capture_layers([7, 0, 1, 3, 4, 6])
     _, captured = runner.forward_eagle3(ids)
-    prenorm, _ = runner.forward_hidden(ids, prenorm=True)
-    assert captured.shape == (1, 5, 6 * 64)
-    assert torch.equal(captured[..., :64], prenorm)
-    assert torch.equal(captured[..., 128:320], torch.cat([default_aux[..., :64], default_aux[..., 64:]], -1))
+    want = transformers_states(runner.model, ids, torch.ones_like(ids))
+    assert torch.equal(captured, want.captured([7, 0, 1, 3, 4, 6]))
     for bad, reason in (
         ([1, 2, 8], "out of range"),
         ([1, 1], "must be distinct"),

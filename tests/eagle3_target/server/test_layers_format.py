@@ -5,6 +5,8 @@ and `TargetClient.hidden_states` over it. The server captures [7, 1, 3, 0, 4] of
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,30 +17,19 @@ from eagle3_target.wire import tensors as tensor_wire
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from support.hidden_states import TransformersStates, transformers_states
 from support.supervision import supervise, token_batch
-
-LAST = 7  # the tiny Llama has 8 decoder layers
 
 
 @pytest.fixture(scope="module")
-def transformers_states(server_model_dir: Path):
-    """`states(ids, mask)`: transformers' `output_hidden_states` (entry i+1 = output of layer i, the last
-    entry after the final norm) and the last decoder layer's own output (h_L before the norm)."""
+def states(server_model_dir: Path) -> Callable[[Tensor, Tensor], TransformersStates]:
+    """What transformers computes for a batch on the served checkpoint (support.hidden_states)."""
     model = AutoModelForCausalLM.from_pretrained(server_model_dir, dtype=torch.float32).eval()
+    return lambda ids, mask: transformers_states(model, ids, mask)
 
-    def states(ids: Tensor, mask: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
-        taken: list[Tensor] = []
-        hook = model.model.layers[LAST].register_forward_hook(
-            lambda _m, _i, out: taken.append(out[0] if isinstance(out, tuple) else out)
-        )
-        try:
-            with torch.no_grad():
-                out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        finally:
-            hook.remove()
-        return out.hidden_states, taken[0]
 
-    return states
+def http() -> httpx.Client:
+    return httpx.Client(timeout=120, trust_env=False)
 
 
 def close(got: Tensor, want: Tensor, mask: Tensor) -> None:
@@ -47,31 +38,40 @@ def close(got: Tensor, want: Tensor, mask: Tensor) -> None:
     torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_every_captured_layer_in_capture_order_by_default(server, transformers_states):
+def test_every_captured_layer_in_capture_order_by_default(server, states):
     ids, mask, _ = token_batch(21, 3, 19, pad_last=6)
-    with httpx.Client() as client:
+    with http() as client:
         got, metadata = supervise(
             client, server.url, {"input_ids": ids, "attention_mask": mask}, format="layers"
         )
-    hidden, prenorm = transformers_states(ids, mask)
     assert sorted(got) == ["hidden_states"]
-    want = torch.cat([prenorm, hidden[2], hidden[4], hidden[1], hidden[5]], dim=-1)
-    close(got["hidden_states"], want, mask)
+    close(got["hidden_states"], states(ids, mask).captured([7, 1, 3, 0, 4]), mask)
     assert metadata["format"] == "layers" and metadata["final"] == "none"
     assert json.loads(metadata["layers"]) == json.loads(metadata["capture_layer_ids"]) == [7, 1, 3, 0, 4]
 
 
-@pytest.mark.parametrize(
-    ("layers", "final", "tensors"),
-    [
-        ("4,0", "postnorm", ["final_hidden", "hidden_states"]),  # DSpark-like: layers + post-norm final
-        ("3,1,7", "prenorm", ["final_hidden_prenorm", "hidden_states"]),  # EAGLE-3 + last, speculators-like
-        ("none", "prenorm", ["final_hidden_prenorm"]),  # MTP: the pre-norm last state alone
-    ],
-)
-def test_chosen_layers_and_final_state(server, transformers_states, layers, final, tensors):
+# DSpark-like: layers and the post-norm final; EAGLE-3 plus the last, speculators-like; MTP: the pre-norm
+# last state alone.
+SELECTIONS = [
+    ("4,0", "postnorm", ["final_hidden", "hidden_states"]),
+    ("3,1,7", "prenorm", ["final_hidden_prenorm", "hidden_states"]),
+    ("none", "prenorm", ["final_hidden_prenorm"]),
+]
+
+
+def assert_selection(got: dict[str, Tensor], want: TransformersStates, layers: str, final: str, mask: Tensor):
+    if layers != "none":
+        close(got["hidden_states"], want.captured([int(i) for i in layers.split(",")]), mask)
+    if final == "postnorm":
+        close(got["final_hidden"], want.postnorm, mask)
+    else:
+        close(got["final_hidden_prenorm"], want.prenorm, mask)
+
+
+@pytest.mark.parametrize(("layers", "final", "tensors"), SELECTIONS)
+def test_chosen_layers_and_final_state(server, states, layers, final, tensors):
     ids, mask, _ = token_batch(22, 2, 13, pad_last=4)
-    with httpx.Client() as client:
+    with http() as client:
         got, metadata = supervise(
             client,
             server.url,
@@ -80,18 +80,38 @@ def test_chosen_layers_and_final_state(server, transformers_states, layers, fina
             layers=layers,
             final=final,
         )
-    hidden, prenorm = transformers_states(ids, mask)
     assert sorted(got) == tensors
-    by_id = {i: hidden[i + 1] for i in range(LAST)} | {LAST: prenorm}
-    if "hidden_states" in got:
-        wanted = [int(i) for i in layers.split(",")]
-        close(got["hidden_states"], torch.cat([by_id[i] for i in wanted], dim=-1), mask)
-        assert json.loads(metadata["layers"]) == wanted
-    if final == "postnorm":
-        close(got["final_hidden"], hidden[-1], mask)  # transformers' last entry: after the final norm
-    else:
-        close(got["final_hidden_prenorm"], prenorm, mask)
+    assert_selection(got, states(ids, mask), layers, final, mask)
+    assert json.loads(metadata["layers"]) == ([] if layers == "none" else [int(i) for i in layers.split(",")])
     assert metadata["final"] == final
+
+
+def test_concurrent_selections_each_get_their_own_tensors(server, states):
+    """Requests of one length arriving together may be batched: each still gets the layers it asked for."""
+    ids, mask, _ = token_batch(26, 2, 17, pad_last=5)
+    want = states(ids, mask)
+    start = threading.Barrier(len(SELECTIONS) * 2)
+    answers: dict[int, dict[str, Tensor]] = {}
+
+    def pull(i: int) -> None:
+        layers, final, _ = SELECTIONS[i % len(SELECTIONS)]
+        with http() as client:
+            start.wait()
+            params = {"format": "layers", "layers": layers, "final": final}
+            answers[i] = supervise(client, server.url, {"input_ids": ids, "attention_mask": mask}, **params)[
+                0
+            ]
+
+    threads = [threading.Thread(target=pull, args=(i,)) for i in range(start.parties)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert sorted(answers) == list(range(start.parties))
+    for i, got in answers.items():
+        layers, final, tensors = SELECTIONS[i % len(SELECTIONS)]
+        assert sorted(got) == tensors
+        assert_selection(got, want, layers, final, mask)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +132,7 @@ def test_chosen_layers_and_final_state(server, transformers_states, layers, fina
 def test_bad_selections_are_422_with_the_reason(server, params, reason):
     ids, mask, _ = token_batch(23, 1, 5)
     body = tensor_wire.encode({"input_ids": ids, "attention_mask": mask})
-    with httpx.Client() as client:
+    with http() as client:
         response = client.post(
             server.url + "/v1/supervision", params={"format": "layers", **params}, content=body
         )
@@ -125,7 +145,7 @@ def test_bad_selections_are_422_with_the_reason(server, params, reason):
 @pytest.mark.parametrize("params", [{"layers": "1"}, {"final": "prenorm"}])
 def test_layers_and_final_belong_to_the_layers_format(server, params):
     ids, _, _ = token_batch(24, 1, 5)
-    response = httpx.post(
+    response = http().post(
         server.url + "/v1/supervision",
         params={"format": "hidden", **params},
         content=tensor_wire.encode({"input_ids": ids}),
@@ -134,9 +154,9 @@ def test_layers_and_final_belong_to_the_layers_format(server, params):
     assert "apply to format=layers only" in response.json()["error"]["message"]
 
 
-def test_client_hidden_states(server, transformers_states):
+def test_client_hidden_states(server, states):
     ids, mask, _ = token_batch(25, 2, 11, pad_last=3)
-    hidden, prenorm = transformers_states(ids, mask)
+    want = states(ids, mask)
     with TargetClient(server.url) as client:
         everything = client.hidden_states(ids, mask)
         dspark = client.hidden_states(ids, mask, layers=[0, 4], final="postnorm")
@@ -149,12 +169,9 @@ def test_client_hidden_states(server, transformers_states):
         with pytest.raises(ValueError, match="ask for a final state"):
             client.hidden_states(ids, mask, layers=())
         assert client.stats["requests"] == requests_before  # refused before any request
-    close(
-        everything["hidden_states"],
-        torch.cat([prenorm, hidden[2], hidden[4], hidden[1], hidden[5]], -1),
-        mask,
-    )
-    close(dspark["hidden_states"], torch.cat([hidden[1], hidden[5]], -1), mask)
-    close(dspark["final_hidden"], hidden[-1], mask)
+    assert sorted(everything) == ["hidden_states"]
+    close(everything["hidden_states"], want.captured([7, 1, 3, 0, 4]), mask)
+    assert sorted(dspark) == ["final_hidden", "hidden_states"]
+    assert_selection(dspark, want, "0,4", "postnorm", mask)
     assert sorted(mtp) == ["final_hidden_prenorm"]
-    close(mtp["final_hidden_prenorm"], prenorm, mask)
+    assert_selection(mtp, want, "none", "prenorm", mask)
