@@ -301,6 +301,7 @@ def measure(
     pulls = (args.batch, args.seq, args.reps, client_cpus)
     try:
         rss_ready = server.memory_mib()["VmRSS"]
+        served = httpx.get(server.url + "/v1/info", timeout=30, trust_env=False).json()["capture_layer_ids"]
         body = _request_body(args.batch, args.seq)
         tcp = raw = 0.0
         c1: dict[str, float] = {"gbps": 0.0, "tokens_per_s": 0.0}
@@ -324,7 +325,7 @@ def measure(
     latencies.sort()
     return {
         "request": f"POST /v1/supervision?{urlencode(case.params)}",
-        "capture_layer_ids": list(case.capture_layer_ids),
+        "capture_layer_ids": served,  # as the server reports it
         "answer_mb": round(answer_bytes / 1e6, 1),
         "loopback_tcp_gbps": round(tcp, 3),
         "raw_c1_gbps": round(raw, 3),

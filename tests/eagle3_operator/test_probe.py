@@ -55,7 +55,10 @@ def test_ready_server_reports_its_model(servers: ServerFarm):
 
 def test_a_server_reports_its_capture_set(servers: ServerFarm, tiny_llama_dir: Path):
     """status.model's captureLayerIds: the server's capture set in its order, else its aux layers."""
-    assert asyncio.run(check(url_of(servers))).info.capture_layer_ids == [1, 3, 4]  # the default aux layers
+    default = eventually(
+        lambda: asyncio.run(check(url_of(servers))).info, "the shared server's info", timeout=60
+    )
+    assert default.capture_layer_ids == [1, 3, 4]  # the default aux layers
     settings = ServerSettings(model=str(tiny_llama_dir), engine="hf", capture_layer_ids="7,1,3,0,4")
     with serve_in_thread(create_app(settings)) as url:
 
@@ -63,7 +66,7 @@ def test_a_server_reports_its_capture_set(servers: ServerFarm, tiny_llama_dir: P
             result = asyncio.run(check(url))
             return result if result.ready else None
 
-        result = eventually(ready, "the capturing server to be ready", timeout=60)
+        result = eventually(ready, "the capturing server to be ready", timeout=180)
     assert (result.info.aux_layer_ids, result.info.capture_layer_ids) == ([1, 3, 4], [7, 1, 3, 0, 4])
 
 
