@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from eagle3_target.protocol import parse_layer_ids
+
 # How many layers DFlash and DSpark drafts read by default: NeMo's `draft_num_hidden_layers` default (5),
 # which is also their feature-layer count (DeepSpec's and z-lab's Qwen3-8B drafts: [1, 9, 17, 25, 33]).
 DFLASH_FEATURE_LAYERS = 5
@@ -135,11 +137,4 @@ def feature_request(
         return chosen.default_layer_ids(num_hidden_layers), chosen.final
     if layers is None:
         raise ValueError("--final needs --layers (a CSV of layer ids, or none)")
-    words = [w.strip() for w in layers.split(",")]
-    if layers.strip() == "none":
-        ids: list[int] = []
-    elif all(w.lstrip("-").isdigit() for w in words):
-        ids = [int(w) for w in words]
-    else:
-        raise ValueError(f"--layers takes a comma-separated list of layer ids or 'none', got {layers!r}")
-    return ids, final or "none"
+    return list(parse_layer_ids(layers)), final or "none"

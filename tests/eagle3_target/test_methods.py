@@ -109,7 +109,7 @@ def test_feature_requests_and_their_refusals():
         feature_request(None, None, "prenorm", 36)
     with pytest.raises(ValueError, match="unknown draft method 'eagle9'"):
         feature_request("eagle9", None, None, 36)
-    with pytest.raises(ValueError, match="comma-separated"):
+    with pytest.raises(ValueError, match="comma-separated list of layer ids"):
         feature_request(None, "1;2", None, 36)
     with pytest.raises(ValueError, match="do not fit a target with 4 layers"):
         method("eagle3").default_layer_ids(4)
