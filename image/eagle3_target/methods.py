@@ -8,8 +8,9 @@ reads). The trainers count differently, and the conversions live here:
 - speculators 0.9 counts in vLLM capture ids: k is the residual entering decoder layer k, our k-1, and N
   (`num_hidden_layers`) is the pre-norm last state. Its files always end with that state (its dataset reads
   the last slot as `verifier_last_hidden_states` and applies the verifier's norm itself).
-- NeMo AutoModel 0.7.0 counts like us for intermediate layers, but reads id L-1 from transformers'
-  `hidden_states[L]`, which is *after* the final norm.
+- NeMo AutoModel 0.7.0's EAGLE-3 and DFlash targets count like us (forward hooks on the decoder layers, so
+  L-1 is before the norm); its DSpark target reads id L-1 after the final norm, which is DSpark's `final`
+  state here ("postnorm"), so its default ids leave L-1 out.
 
 Torch-free: the export command line reads it.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from eagle3_target.protocol import parse_layer_ids
+from eagle3_target.protocol import FinalState
 
 # How many layers DFlash and DSpark drafts read by default: NeMo's `draft_num_hidden_layers` default (5),
 # which is also their feature-layer count (DeepSpec's and z-lab's Qwen3-8B drafts: [1, 9, 17, 25, 33]).
@@ -61,14 +62,13 @@ def no_layers(num_hidden_layers: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Method:
-    """A draft method: `layers` captured layers (its trainers' default count), the last hidden state
-    `final` (a protocol.FINAL_STATES key, as the trainers that ship it as-is take it) and the trainers that
-    train it against a target."""
+    """A draft method: how many feature layers its trainers default to (DSpark's count includes L-1, read
+    after the norm: its `final` state here), the last hidden state `final` it trains on (speculators files
+    always end with the pre-norm one and normalise it themselves) and its trainers' default layer ids."""
 
     name: str
     layers: int
-    final: str
-    trainers: tuple[str, ...]
+    final: FinalState
     defaults: Callable[[int], list[int]]
 
     def default_layer_ids(self, num_hidden_layers: int) -> list[int]:
@@ -85,19 +85,11 @@ class Method:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("eagle3", 3, "prenorm", ("speculators", "nemo", "specforge"), eagle3_layer_ids),
-        Method("peagle", 3, "prenorm", ("speculators", "nemo"), eagle3_layer_ids),
-        Method(
-            "dflash", DFLASH_FEATURE_LAYERS, "prenorm", ("speculators", "nemo", "specforge"), dflash_layer_ids
-        ),
-        Method(
-            "dspark",
-            DFLASH_FEATURE_LAYERS,
-            "postnorm",
-            ("speculators", "nemo", "specforge"),
-            dspark_layer_ids,
-        ),
-        Method("mtp", 0, "prenorm", ("speculators",), no_layers),
+        Method("eagle3", 3, "prenorm", eagle3_layer_ids),
+        Method("peagle", 3, "prenorm", eagle3_layer_ids),
+        Method("dflash", DFLASH_FEATURE_LAYERS, "prenorm", dflash_layer_ids),
+        Method("dspark", DFLASH_FEATURE_LAYERS, "postnorm", dspark_layer_ids),
+        Method("mtp", 0, "prenorm", no_layers),
     )
 }
 
@@ -124,17 +116,3 @@ def hf_layer_ids(vllm_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
 def vllm_capture_ids(layer_ids: Sequence[int]) -> list[int]:
     """speculators' `--target-layer-ids` for our layer ids, ascending as vLLM keeps them."""
     return sorted(i + 1 for i in layer_ids)
-
-
-def feature_request(
-    method_name: str | None, layers: str | None, final: str | None, num_hidden_layers: int
-) -> tuple[list[int], str]:
-    """(layer ids, final state) from `--method NAME` or `--layers 1,5,9 --final S` (either, not both)."""
-    if method_name is not None and (layers is not None or final is not None):
-        raise ValueError("give either --method or --layers/--final, not both")
-    if method_name is not None:
-        chosen = method(method_name)
-        return chosen.default_layer_ids(num_hidden_layers), chosen.final
-    if layers is None:
-        raise ValueError("--final needs --layers (a CSV of layer ids, or none)")
-    return list(parse_layer_ids(layers)), final or "none"

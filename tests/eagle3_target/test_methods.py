@@ -14,7 +14,6 @@ from eagle3_target.methods import (
     METHODS,
     dflash_layer_ids,
     dspark_layer_ids,
-    feature_request,
     hf_layer_ids,
     method,
     vllm_capture_ids,
@@ -98,19 +97,10 @@ def test_every_preset_names_a_served_final_state():
     assert set(METHODS) >= {"eagle3", "peagle", "dflash", "dspark", "mtp"}
 
 
-def test_feature_requests_and_their_refusals():
-    assert feature_request("dflash", None, None, 36) == ([1, 9, 17, 25, 33], "prenorm")
-    assert feature_request(None, "1, 5,9", "postnorm", 36) == ([1, 5, 9], "postnorm")
-    assert feature_request(None, "none", "prenorm", 36) == ([], "prenorm")
-    assert feature_request(None, "3", None, 36) == ([3], "none")
-    with pytest.raises(ValueError, match="not both"):
-        feature_request("dflash", "1", None, 36)
-    with pytest.raises(ValueError, match="needs --layers"):
-        feature_request(None, None, "prenorm", 36)
+def test_method_refusals():
+    assert method("dflash").default_layer_ids(36) == [1, 9, 17, 25, 33]
     with pytest.raises(ValueError, match="unknown draft method 'eagle9'"):
-        feature_request("eagle9", None, None, 36)
-    with pytest.raises(ValueError, match="comma-separated list of layer ids"):
-        feature_request(None, "1;2", None, 36)
+        method("eagle9")
     with pytest.raises(ValueError, match="do not fit a target with 4 layers"):
         method("eagle3").default_layer_ids(4)
     with pytest.raises(ValueError, match=r"vLLM capture ids \[0\] cannot be served"):

@@ -152,15 +152,13 @@ def speculators(
     Default: the target's aux layers (EAGLE-3). Train with --data-path on the prepare-data directory,
     --hidden-states-path OUT/hidden_states and --target-layer-ids the layers + 1."""
     from eagle3_target.integrations.layouts import SpeculatorsLayout
-    from eagle3_target.methods import feature_request
+    from eagle3_target.protocol import parse_layer_ids
 
     def layout() -> SpeculatorsLayout:
-        if layers is None:
-            if final is not None and method is None:
-                raise ValueError("--final needs --layers (or --method)")
-            return SpeculatorsLayout(method=method, final=final)
-        layer_ids, _ = feature_request(method, layers, final, 0)
-        return SpeculatorsLayout(layer_ids, final=final)
+        if final is not None and layers is None and method is None:
+            raise ValueError("--final needs --layers (or --method)")
+        layer_ids = None if layers is None else list(parse_layer_ids(layers))
+        return SpeculatorsLayout(layer_ids, method=method, final=final)
 
     _run(layout, data, out, connection, batch_tokens, depth, quiet)
 

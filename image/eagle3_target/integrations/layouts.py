@@ -26,6 +26,7 @@ from torch import Tensor
 
 from eagle3_target import methods
 from eagle3_target.client.target_client import TargetClient
+from eagle3_target.contract import select_layers
 from eagle3_target.integrations.rows import Row
 from eagle3_target.methods import vllm_capture_ids
 from eagle3_target.protocol import LAYERS_TENSOR, TargetInfo
@@ -66,12 +67,6 @@ class Layout(Protocol):
 # --- speculators ------------------------------------------------------------------------------------
 
 
-def speculators_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
-    """speculators' `--target-layer-ids` for our layer ids: vLLM capture id k is the residual entering layer
-    k, the output of our layer k - 1; vLLM keeps them ascending."""
-    return vllm_capture_ids(aux_layer_ids)
-
-
 def speculators_sample(
     layers: Tensor, final_hidden_prenorm: Tensor, token_ids: Tensor, layer_ids: Sequence[int]
 ) -> dict[str, Tensor]:
@@ -85,10 +80,8 @@ def speculators_sample(
 
 
 def check_captured(layer_ids: Sequence[int], info: TargetInfo, who: str) -> None:
-    """LayoutMismatch naming both sets unless the target captures every layer wanted (L-1 always counts: it
-    is the pre-norm last state, which every target serves)."""
-    last = info.num_hidden_layers - 1
-    missing = [i for i in layer_ids if i not in info.captured_layers and i != last]
+    """LayoutMismatch naming both sets unless the target captures every layer wanted."""
+    missing = [i for i in layer_ids if i not in info.captured_layers]
     if missing:
         raise LayoutMismatch(
             f"{who} needs layers {list(layer_ids)} (vLLM capture ids {vllm_capture_ids(layer_ids)}), but the "
@@ -97,20 +90,28 @@ def check_captured(layer_ids: Sequence[int], info: TargetInfo, who: str) -> None
         )
 
 
+def speculators_format(layer_ids: Sequence[int], info: TargetInfo) -> str:
+    """The request speculators' files for these layers (ours, before h_L) are built from: `hidden_prenorm`
+    for the target's aux layers (the EAGLE-3 files, as every server version serves them), else `layers`
+    with the pre-norm final state."""
+    if sorted(layer_ids) == sorted(info.aux_layer_ids):
+        return "hidden_prenorm"
+    return f"layers={','.join(map(str, layer_ids)) or 'none'}&final=prenorm"
+
+
 def fetch_speculators_layers(
     client: TargetClient, input_ids: Tensor, attention_mask: Tensor | None, layer_ids: Sequence[int]
 ) -> dict[str, Tensor]:
-    """`layers` [B, S, k*H] (the layers in `layer_ids` order) and `final_hidden_prenorm` [B, S, H]: one
-    `layers` request; L-1, the pre-norm last state, comes from the final state rather than the capture."""
-    last = client.info().num_hidden_layers - 1
-    served = [i for i in layer_ids if i != last]
-    out = client.hidden_states(input_ids, attention_mask, layers=served, final="prenorm")
-    final = out["final_hidden_prenorm"]
-    parts = dict(zip(served, (out[LAYERS_TENSOR].chunk(len(served), dim=-1) if served else ()), strict=True))
-    parts[last] = final
-    layers = [parts[i] for i in layer_ids]
-    empty = final.new_empty(*final.shape[:-1], 0)
-    return {"layers": torch.cat(layers, dim=-1) if layers else empty, "final_hidden_prenorm": final}
+    """`layers` [B, S, k*H] (the layers in `layer_ids` order) and `final_hidden_prenorm` [B, S, H]."""
+    info = client.info()
+    if speculators_format(layer_ids, info) == "hidden_prenorm":
+        out = client.supervise(input_ids, attention_mask, format="hidden_prenorm")
+        layers = select_layers(out["aux_hidden_states"], info.aux_layer_ids, layer_ids)
+    else:
+        out = client.hidden_states(input_ids, attention_mask, layers=layer_ids, final="prenorm")
+        final = out["final_hidden_prenorm"]
+        layers = out[LAYERS_TENSOR] if layer_ids else final.new_empty(*final.shape[:-1], 0)
+    return {"layers": layers, "final_hidden_prenorm": out["final_hidden_prenorm"]}
 
 
 class SpeculatorsLayout:
@@ -134,6 +135,7 @@ class SpeculatorsLayout:
         self._method = None if method is None else methods.method(method)
         self._wanted = None if layer_ids is None else list(layer_ids)
         self._layer_ids: list[int] | None = None
+        self._format: str | None = None
 
     @property
     def layer_ids(self) -> list[int]:
@@ -148,13 +150,18 @@ class SpeculatorsLayout:
             layer_ids = list(info.aux_layer_ids) if self._wanted is None else self._wanted
         if len(set(layer_ids)) != len(layer_ids):
             raise LayoutMismatch(f"layer ids must be distinct, got {layer_ids}")
+        # L-1 is h_L, the file's last slot already (vLLM captures it once, as its id L, last).
+        layer_ids = sorted(set(layer_ids) - {info.num_hidden_layers - 1})
         who = f"speculators' {self._method.name}" if self._method is not None else "this speculators draft"
         check_captured(layer_ids, info, who)
-        self._layer_ids = sorted(layer_ids)
+        self._layer_ids = layer_ids
+        self._format = speculators_format(layer_ids, info)
 
     @property
     def format(self) -> str:
-        return f"layers={','.join(map(str, self.layer_ids)) or 'none'}&final=prenorm"
+        if self._format is None:
+            raise RuntimeError("the layout's request is known once check() has seen the target")
+        return self._format
 
     def supervise(self, client: TargetClient, input_ids: Tensor, attention_mask: Tensor) -> dict[str, Tensor]:
         return fetch_speculators_layers(client, input_ids, attention_mask, self.layer_ids)

@@ -39,10 +39,10 @@ from eagle3_target.runners.vllm_capture import (
     check_capture,
     check_logits_rebuild,
     discard_capture,
+    engine_capture_ids,
     file_positions,
     read_capture,
     rms_norm,
-    vllm_capture_ids,
 )
 from eagle3_target.runners.vllm_cpu import with_cpu_defaults
 from eagle3_target.runners.vllm_refusals import (
@@ -92,7 +92,7 @@ class VLLMRunner(RebuiltHeadRunner):
         self._llm: Any = None
         self._sampling_params: Any = None
         self._capture_layer_ids: list[int] = []
-        self._engine_ids: list[int] = []  # vLLM's capture ids, ascending (`vllm_capture_ids`)
+        self._engine_ids: list[int] = []  # vLLM's capture ids, ascending (`engine_capture_ids`)
         self._positions: list[int] = []  # the file slot of each captured layer, in capture-set order
         self._head: TargetHead | None = None
         self.set_capture_layers(capture_layer_ids)
@@ -167,7 +167,7 @@ class VLLMRunner(RebuiltHeadRunner):
         `draft_model_config["hf_config"]` keys override the wrapped target config), whose proposer (V1) or
         speculator (MRv2, the default runner) requires num_speculative_tokens == 1; `KVTransferConfig`
         (connector name, a role is required) and the connector's `shared_storage_path` extra key. The
-        capture ids go sorted (`vllm_capture_ids`). No tokenizer is loaded: the runner sends token ids and
+        capture ids go sorted (`engine_capture_ids`). No tokenizer is loaded: the runner sends token ids and
         reads no text.
         """
         return {
@@ -264,7 +264,7 @@ class VLLMRunner(RebuiltHeadRunner):
         """Capture these layers. vLLM fixes its capture layers at engine start, so a set that needs other
         vLLM capture ids restarts it (the same layers in another order do not)."""
         ids = validate_capture_layer_ids(capture_layer_ids, self._config.num_hidden_layers)
-        engine_ids = vllm_capture_ids(ids, self._config.num_hidden_layers)
+        engine_ids = engine_capture_ids(ids, self._config.num_hidden_layers)
         if engine_ids != self._engine_ids or self._llm is None:
             self.start_engine(engine_ids)
         self._capture_layer_ids = ids

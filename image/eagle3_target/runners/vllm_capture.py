@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3_target.contract import validate_capture_layer_ids
+from eagle3_target.methods import vllm_capture_ids
 from eagle3_target.runners.base import ModelRefused
 from eagle3_target.runners.head import TargetHead
 
@@ -43,9 +44,9 @@ REBUILD_CHECK_MAX_LOGPROB_DIFF = 1.0
 REBUILD_CHECK_MAX_SCALE_ERROR = 0.05
 
 
-def vllm_capture_ids(capture_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM capture ids, ascending, for a capture set of HF ids: id `k` is the residual entering layer `k`,
-    so HF `a` -> `a+1`, plus `L`, the final pre-norm state the runner rebuilds the logits from.
+def engine_capture_ids(capture_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """What the engine captures for a capture set of HF ids: their vLLM ids (`methods.vllm_capture_ids`,
+    HF `a` -> `a+1`) plus `L`, the final pre-norm state the runner rebuilds the logits from, ascending.
 
     HF `L-1` is that same state, so it maps to `L`, captured once (vLLM dedups a repeated id and its file
     would hold one layer fewer). Ascending because native model classes write the layers ascending whatever
@@ -54,12 +55,12 @@ def vllm_capture_ids(capture_layer_ids: Sequence[int], num_layers: int) -> list[
     ascending, and the final state is the file's last slot.
     """
     ids = validate_capture_layer_ids(capture_layer_ids, num_layers)
-    return sorted({a + 1 for a in ids} | {num_layers})
+    return sorted(set(vllm_capture_ids(ids)) | {num_layers})
 
 
 def file_positions(capture_layer_ids: Sequence[int], engine_ids: Sequence[int]) -> list[int]:
     """The file slot of each HF capture id, in the capture set's order, when vLLM captured `engine_ids`
-    (`vllm_capture_ids`)."""
+    (`engine_capture_ids`)."""
     return [list(engine_ids).index(a + 1) for a in capture_layer_ids]
 
 

@@ -18,10 +18,10 @@ from eagle3_target.integrations.layouts import (
     SpecForgeLayout,
     SpeculatorsLayout,
     specforge_aux_layer_ids,
-    speculators_layer_ids,
     speculators_sample,
 )
 from eagle3_target.integrations.rows import JsonlRows, Row, RowError
+from eagle3_target.methods import vllm_capture_ids
 from eagle3_target.runners.hf import HFRunner
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -60,13 +60,14 @@ def test_speculators_files_equal_what_vllm_would_capture(
         "speculators", "--url", bf16_server.url, "--data", str(rows_jsonl), "--out", str(out), *ONE_ROW
     )
     assert f"exported {len(rows)} rows" in summary
-    capture_ids = speculators_layer_ids([1, 3, 4])
+    capture_ids = vllm_capture_ids([1, 3, 4])
     assert capture_ids == [2, 4, 5]
     for i, row in enumerate(rows):
         got = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
         assert_same(got, vllm_file(plain_model, row["input_ids"], [*capture_ids, 8]))
     manifest = json.loads((out / exporter.MANIFEST).read_text())
-    assert manifest["layout"] == "speculators" and manifest["format"] == "layers=1,3,4&final=prenorm"
+    # The EAGLE-3 files come from the format they always came from (an export made before resumes).
+    assert manifest["layout"] == "speculators" and manifest["format"] == "hidden_prenorm"
     assert (
         manifest["target"]["aux_layer_ids"] == [1, 3, 4] and manifest["target"]["model"] == "tiny-llama-bf16"
     )
@@ -78,10 +79,11 @@ def test_speculators_files_for_any_layers_and_for_a_method(
     """`--layers` (our ids) and `--method`: the layers + 1 as vLLM capture ids, then L (MTP: only L)."""
     for flags, capture_ids in (
         (["--layers", "5,2", "--final", "prenorm"], [3, 6, 8]),
+        (["--layers", "7,2"], [3, 8]),  # L-1 is h_L: vLLM's id L, in the file once, last
         (["--method", "dspark"], [2, 3, 5, 7, 8]),
         (["--method", "mtp"], [8]),
     ):
-        out = tmp_path / flags[1]
+        out = tmp_path / "-".join(flags)
         run_cli(
             "speculators",
             "--url",
@@ -294,7 +296,7 @@ def test_speculators_sample_puts_the_aux_layers_in_ascending_capture_order():
     assert sample["hidden_states"].shape == (seq, 4, hidden)
     assert sample["hidden_states"][0, :, 0].tolist() == [10, 30, 40, 99]
     assert sample["token_ids"].dtype == torch.int64
-    assert speculators_layer_ids([4, 1, 3]) == [2, 4, 5]
+    assert vllm_capture_ids([4, 1, 3]) == [2, 4, 5]
 
 
 def test_target_and_url_are_exclusive(rows_jsonl, tmp_path):

@@ -8,22 +8,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from eagle3_target.runners.vllm_capture import file_positions, vllm_capture_ids
+from eagle3_target.runners.vllm_capture import engine_capture_ids, file_positions
 
 from support.vllm_runner import open_runner, ragged_batch
 
 
 def test_capture_ids_and_file_order():
-    assert vllm_capture_ids([1, 15, 28], 32) == [2, 16, 29, 32]
-    assert vllm_capture_ids([28, 1, 15], 32) == [2, 16, 29, 32]
+    assert engine_capture_ids([1, 15, 28], 32) == [2, 16, 29, 32]
+    assert engine_capture_ids([28, 1, 15], 32) == [2, 16, 29, 32]
     assert file_positions([28, 1, 15], [2, 16, 29, 32]) == [2, 0, 1]
     # The last layer is the final pre-norm state vLLM captures as id L anyway: asked for once.
-    assert vllm_capture_ids([31, 0], 32) == [1, 32]
+    assert engine_capture_ids([31, 0], 32) == [1, 32]
     assert file_positions([31, 0], [1, 32]) == [1, 0]
     with pytest.raises(ValueError, match="capture layer id 32 is out of range"):
-        vllm_capture_ids([1, 15, 32], 32)
+        engine_capture_ids([1, 15, 32], 32)
     with pytest.raises(ValueError, match="distinct"):
-        vllm_capture_ids([1, 1, 2], 32)
+        engine_capture_ids([1, 1, 2], 32)
 
 
 def test_a_bad_capture_set_is_refused_before_the_engine_starts(tiny_llama_dir, fake_vllm, shm):
