@@ -21,6 +21,8 @@ from support.server_process import status_code
 
 # An engine start takes about 45 s on two cores (eager; compiling a tiny model tests nothing here).
 START_TIMEOUT_S = 300.0
+# Generating a few tiny rows takes seconds; a stuck request must not hold CI until its global limit.
+DATAGEN_TIMEOUT_S = 600.0
 
 
 @contextmanager
@@ -67,15 +69,17 @@ def vllm_server(model_dir: Path, capture_ids: list[int], work: Path, max_model_l
 
 def generate_offline_data(endpoint: str, model_dir: Path, prepared: Path, out: Path) -> Path:
     """`speculators generate-offline-data` on the prepare-data directory; the directory of its files."""
-    subprocess.run(
+    done = subprocess.run(
         [
             sys.executable, "-m", "speculators", "generate-offline-data",
             "--model", str(model_dir), "--endpoint", endpoint, "--preprocessed-data", str(prepared),
             "--output", str(out), "--concurrency", "1", "--fail-on-error", "--validate-outputs",
         ],
-        check=True,
         capture_output=True,
+        text=True,
+        timeout=DATAGEN_TIMEOUT_S,
     )  # fmt: skip
+    assert done.returncode == 0, f"generate-offline-data failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return out
 
 
@@ -84,8 +88,11 @@ def select_capture_ids(files: Path, captured: list[int], wanted: list[int], out:
     writes when it captures `wanted` (each layer is captured on its own), without a second engine."""
     out.mkdir(parents=True)
     slots = torch.tensor([captured.index(k) for k in wanted])
-    for path in sorted(files.glob("hs_*.safetensors")):
+    paths = sorted(files.glob("hs_*.safetensors"))
+    assert paths, f"no hs_*.safetensors in {files}"
+    for path in paths:
         tensors = load_file(path)
+        assert tensors["hidden_states"].shape[1] == len(captured), (path, tensors["hidden_states"].shape)
         tensors["hidden_states"] = tensors["hidden_states"].index_select(1, slots).contiguous()
         save_file(tensors, out / path.name)
     return out

@@ -103,6 +103,17 @@ def method_capture_ids(name: str) -> list[int]:
     return [*vllm_capture_ids(method(name).default_layer_ids(NUM_LAYERS)), NUM_LAYERS]
 
 
+def publish(objects, namespace: str, name: str, url: str) -> None:
+    """Play the operator: an Eagle3Target whose status names the server at `url` as its ready endpoint."""
+    with TargetClient(url) as client:
+        fingerprint = client.info().fingerprint
+    published = target_status(1, "True", "AllReplicasReady")
+    published["model"] = published["model"] | {"fingerprint": fingerprint}
+    published["endpoints"] = [{"pod": f"{name}-0", "address": url, "ready": True, "node": "n0"}]
+    create_target(objects, namespace, name)
+    write_status(objects, namespace, name, published)
+
+
 def plugin_args(url: str | None, **overrides) -> argparse.Namespace:
     values = {
         "speculator_type": "eagle3",
@@ -199,6 +210,23 @@ def test_the_plugin_refuses_a_draft_whose_layers_the_target_does_not_capture(fil
         backend.Eagle3TargetBackend.from_train_args(plugin_args(None), prepared)
 
 
+def test_speculators_training_stops_before_its_first_step_on_layers_the_target_lacks(
+    files, bf16_model_dir, bf16_server, tmp_path, cpu_shims, monkeypatch
+):
+    """Through speculators' own `train`: the refusal comes before any step is logged or anything saved."""
+    argv = train_argv(
+        "dflash", bf16_model_dir, files["prepared"], tmp_path / "save",
+        "--num-workers", "0", "--hidden-states-backend", "eagle3-target", "--eagle3-target", bf16_server.url,
+        "--target-layer-ids", "1", "4", "5", "6", "7",  # vLLM id 1 is our layer 0, not captured
+    )  # fmt: skip
+    logged: list[dict] = []
+    with pytest.raises(ValueError, match=r"target layer ids \[1, 4, 5, 6, 7\]") as refused:
+        train(argv, monkeypatch, logged)
+    assert str(CAPTURE_LAYER_IDS) in str(refused.value) and "lacks [0]" in str(refused.value)
+    assert logged == []
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").rglob("*.safetensors"))
+
+
 @pytest.fixture
 def cpu_shims(monkeypatch):
     import speculators.train.trainer as trainer
@@ -212,11 +240,12 @@ def cpu_shims(monkeypatch):
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)
 
 
-def train(argv: list[str], monkeypatch) -> list[dict]:
-    """Two optimizer steps and a validation pass of speculators' own training CLI; its logged metrics."""
+def train(argv: list[str], monkeypatch, logged: list[dict] | None = None) -> list[dict]:
+    """Two optimizer steps and a validation pass of speculators' own training CLI; its logged metrics (also
+    in `logged` as they come, for a run that raises)."""
     import speculators.train.trainer as trainer
 
-    logged: list[dict] = []
+    logged = [] if logged is None else logged
     metric_logger = trainer.metric_logger
 
     def record(message, *args, **kwargs):
@@ -334,14 +363,27 @@ def fp32_targets(files, tmp_path_factory) -> Iterator[dict[str, dict[str, Any]]]
 
 @pytest.mark.parametrize("speculator_type", ["eagle3", "peagle", "dflash", "dspark", "mtp"])
 def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
-    speculator_type, fp32_targets, files, tmp_path, cpu_shims, monkeypatch
+    speculator_type, fp32_targets, files, tmp_path, cpu_shims, monkeypatch, cluster, namespace, objects
 ):
-    """Two steps online against our server give the losses of two steps on the files speculators'
-    `generate-offline-data` wrote from vLLM, to vLLM's fp32 agreement with transformers."""
+    """Two steps online against our server, by URL and by name, give the losses of two steps on the files
+    speculators' `generate-offline-data` wrote from vLLM, to vLLM's fp32 agreement with transformers; the
+    features themselves agree with vLLM's row by row."""
     target = fp32_targets["qwen3-mtp" if speculator_type == "mtp" else "llama"]
     datagen = select_capture_ids(
         target["datagen"], target["datagen_ids"], method_capture_ids(speculator_type), tmp_path / "datagen"
     )
+    transfer = backend.Eagle3TargetBackend.from_train_args(
+        plugin_args(target["url"], speculator_type=speculator_type, target_layer_ids=vllm_capture_ids(
+            method(speculator_type).default_layer_ids(NUM_LAYERS)
+        )),
+        str(files["prepared"]),
+    )  # fmt: skip
+    for path in sorted(datagen.glob("hs_*.safetensors")):
+        want = load_file(path)
+        got = transfer.get_cached(int(path.stem.removeprefix("hs_")))
+        assert torch.equal(got["token_ids"], want["token_ids"])
+        torch.testing.assert_close(got["hidden_states"], want["hidden_states"], atol=1e-4, rtol=1e-4)
+    publish(objects, namespace, f"tiny-{speculator_type}", target["url"])
 
     def argv(name: str, *source: str) -> list[str]:
         return train_argv(speculator_type, target["model"], files["prepared"], tmp_path / name, *source)
@@ -354,6 +396,13 @@ def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
              "--eagle3-target", target["url"]),
         monkeypatch,
     )  # fmt: skip
+    by_name = train(
+        argv("by-name", "--num-workers", "0", "--hidden-states-backend", "eagle3-target",
+             "--eagle3-target", f"tiny-{speculator_type}", "--eagle3-target-namespace", namespace,
+             "--eagle3-target-kubeconfig", str(cluster.kubeconfig)),
+        monkeypatch,
+    )  # fmt: skip
+    assert by_name == online
     assert_two_real_steps(reference)
     assert [sorted(entry) for entry in online] == [sorted(entry) for entry in reference]
     for got, want in zip(online, reference, strict=True):
@@ -370,13 +419,7 @@ def test_a_draft_trains_on_a_target_found_by_name(
 ):  # fmt: skip
     """`--eagle3-target NAME --eagle3-target-namespace NS`, resolved through the API server in the trainer
     and again in its DataLoader worker (the test plays the operator and publishes the server in status)."""
-    with TargetClient(bf16_server.url) as client:
-        fingerprint = client.info().fingerprint
-    published = target_status(1, "True", "AllReplicasReady")
-    published["model"] = published["model"] | {"fingerprint": fingerprint}
-    published["endpoints"] = [{"pod": "tiny-0", "address": bf16_server.url, "ready": True, "node": "n0"}]
-    create_target(objects, namespace, "tiny-llama")
-    write_status(objects, namespace, "tiny-llama", published)
+    publish(objects, namespace, "tiny-llama", bf16_server.url)
     reference_files = write_vllm_files(
         plain_model, rows, method_capture_ids("dflash"), tmp_path / "reference"
     )
