@@ -114,6 +114,12 @@ def test_speculators_export_of_layers_the_target_lacks_writes_nothing(bf16_serve
     ):
         assert message in fail_cli("speculators", *url, *flags)
         assert not out.exists()
+    # An earlier export in the directory is left as it was.
+    run_cli("speculators", *url, *ONE_ROW)
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    assert len(before) > 1
+    assert "lacks [0]" in fail_cli("speculators", *url, "--layers", "0,2")
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
 
 
 def test_specforge_files_equal_what_sglang_would_capture(
