@@ -363,7 +363,16 @@ def fp32_targets(files, tmp_path_factory) -> Iterator[dict[str, dict[str, Any]]]
 
 @pytest.mark.parametrize("speculator_type", ["eagle3", "peagle", "dflash", "dspark", "mtp"])
 def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
-    speculator_type, fp32_targets, files, tmp_path, cpu_shims, monkeypatch, cluster, namespace, objects
+    speculator_type,
+    fp32_targets,
+    files,
+    tmp_path,
+    cpu_shims,
+    monkeypatch,
+    cluster,
+    namespace,
+    objects,
+    record_property,
 ):
     """Two steps online against our server, by URL and by name, give the losses of two steps on the files
     speculators' `generate-offline-data` wrote from vLLM, to vLLM's fp32 agreement with transformers; the
@@ -409,6 +418,7 @@ def test_each_draft_method_trains_online_as_on_speculators_own_vllm_files(
         for phase in ("train", "val"):
             losses = {name: value for name, value in want.get(phase, {}).items() if "loss" in name}
             for name, value in losses.items():
+                record_property(f"{phase}.{name}", {"online": got[phase][name], "vllm_files": value})
                 assert got[phase][name] == pytest.approx(value, rel=LOSS_RTOL), (phase, name)
             assert phase not in want or losses
 
