@@ -1,7 +1,7 @@
-"""The README's resource reference, generated from the CRD so the two cannot drift apart.
+"""The resource reference (docs/reference.md), generated from the CRD so the two cannot drift apart.
 
-`python scripts/crd_reference.py` prints the Markdown tables; `--write README.md` replaces the text between
-the README's reference markers; tests/test_readme.py fails when the README is stale.
+`python scripts/crd_reference.py` prints the Markdown tables; `--write docs/reference.md` replaces the text
+between the page's reference markers; tests/test_readme.py fails when the page is stale.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ def _walk_rules(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def spliced(readme: str, generated: str) -> str:
-    """The README with its reference section replaced by `generated`."""
+    """The page with its reference section replaced by `generated`."""
     head, found, rest = readme.partition(BEGIN)
     _, found_end, tail = rest.partition(END)
     if not (found and found_end):
-        raise ValueError(f"README lacks the markers {BEGIN!r} ... {END!r}")
+        raise ValueError(f"the page lacks the markers {BEGIN!r} ... {END!r}")
     return head + generated + tail
 
 

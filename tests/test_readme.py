@@ -1,4 +1,4 @@
-"""The README is what users read first: its two commands, its links and its resource reference must hold."""
+"""The README and docs/ are what users read first: their commands, links and names must hold."""
 
 import re
 import subprocess
@@ -7,10 +7,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
-def test_the_two_commands_come_first_and_exist_in_the_makefile():
-    first_block = README.split("```bash", 1)[1].split("```", 1)[0]
+def page(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def test_the_two_local_commands_exist_in_the_makefile():
+    first_block = README.split("\n## Try it on your machine\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
     assert commands == ["make demo", "make test"]
     makefile = (REPO / "Makefile").read_text()
@@ -19,9 +25,10 @@ def test_the_two_commands_come_first_and_exist_in_the_makefile():
 
 
 def test_relative_links_point_at_files():
-    for target in re.findall(r"\]\(([^)#]+)\)", README):
-        if "://" not in target:
-            assert (REPO / target).exists(), target
+    for path in PAGES:
+        for target in re.findall(r"\]\(([^)#]+)\)", path.read_text()):
+            if "://" not in target:
+                assert (path.parent / target).exists(), f"{path.name}: {target}"
 
 
 def test_resource_reference_matches_the_crd():
@@ -32,12 +39,12 @@ def test_resource_reference_matches_the_crd():
         check=True,
     ).stdout
     assert "`spec.model.source.pvc.claimName`" in generated
-    stale = "README's reference is stale: run python scripts/crd_reference.py --write README.md"
-    assert generated.strip() in README, stale
+    stale = "docs/reference.md is stale: run python scripts/crd_reference.py --write docs/reference.md"
+    assert generated.strip() in page("reference.md"), stale
 
 
 def test_the_layout_table_names_paths_that_exist():
-    table = README.split("| piece | where |", 1)[1].split("\n\n", 1)[0]
+    table = page("development.md").split("| piece | where |", 1)[1].split("\n\n", 1)[0]
     where = " ".join(row.split("|")[2] for row in table.strip().splitlines()[1:])
     paths = [path for path in re.findall(r"`([^`\s]+)`", where) if "/" in path]
     assert len(paths) >= 10, paths
@@ -48,14 +55,10 @@ def test_the_layout_table_names_paths_that_exist():
     assert tops <= folders
 
 
-def section(title: str) -> str:
-    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-
-
 def test_every_format_is_described():
     from eagle3_target.protocol import FORMATS
 
-    paragraph = section("The target server").split("Formats (", 1)[1].split("\n\n", 1)[0]
+    paragraph = page("server.md").split("Formats (", 1)[1].split("\n\n", 1)[0]
     described = set(re.findall(r"`(\w+)` \(", paragraph))
     assert described == set(FORMATS)
 
@@ -69,6 +72,6 @@ def test_every_metric_is_listed():
     for value in vars(operator_metrics).values():
         if isinstance(value, MetricWrapperBase):
             families += [family.name for family in value.describe()]
-    listed = section("Metrics")
+    listed = page("monitoring.md")
     missing = [name for name in families if not re.search(rf"`{name}(_total|_info)?[{{`]", listed)]
     assert len(families) >= 15 and not missing, missing

@@ -1,6 +1,6 @@
 """kube-score (a linter nobody here wrote, built by support/cluster/build-tools.sh) on what we ship: the chart
 rendered with each value set, and the children the operator renders for the examples and for a Hugging Face
-source. Every finding left is one the README lists as deliberate, with its reason, and every listed one
+source. Every finding left is one docs/development.md lists as deliberate, with its reason, and every listed one
 still occurs (a fixed finding leaves the list)."""
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ OK = 10  # kube-score's grade of a passed check
 
 
 def deliberate() -> set[tuple[str, str, str]]:
-    """(object, check id, finding) rows of the README's table."""
-    text = (REPO / "README.md").read_text()
+    """(object, check id, finding) rows of docs/development.md's table."""
+    text = (REPO / "docs" / "development.md").read_text()
     table = text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
     rows = set()
     for line in table.splitlines():
         cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[1] and not set(cells[1]) <= {"-"} and cells[1] != "Check":
             rows.add((cells[0], cells[1], cells[2]))
-    assert rows, "the README lists no kube-score findings"
+    assert rows, "docs/development.md lists no kube-score findings"
     return rows
 
 
@@ -82,7 +82,7 @@ def test_only_the_readmes_deliberate_findings_remain():
 
 
 def _role(kind: str, name: str) -> str:
-    """What the README calls an object: the chart's operator Deployment, any target's Deployment or Job."""
+    """What docs/development.md calls an object: the chart's operator Deployment, any target's Deployment or Job."""
     if name == "e3-eagle3-operator":
         return f"chart {kind}"
     return {"Deployment": "target Deployment", "Job": "hydration Job"}.get(kind, f"target {kind}")
