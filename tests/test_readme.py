@@ -16,7 +16,8 @@ def page(name: str) -> str:
 
 
 def test_the_two_local_commands_exist_in_the_makefile():
-    first_block = README.split("\n## Try it on your machine\n", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    local = README.split("\n## Try it on your machine\n", 1)[1]
+    first_block = local.split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
     assert commands == ["make demo", "make test"]
     makefile = (REPO / "Makefile").read_text()

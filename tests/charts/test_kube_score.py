@@ -1,7 +1,7 @@
 """kube-score (a linter nobody here wrote, built by support/cluster/build-tools.sh) on what we ship: the chart
 rendered with each value set, and the children the operator renders for the examples and for a Hugging Face
-source. Every finding left is one docs/development.md lists as deliberate, with its reason, and every listed one
-still occurs (a fixed finding leaves the list)."""
+source. Every finding left is one docs/development.md lists as deliberate, with its reason, and every
+listed one still occurs (a fixed finding leaves the list)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_only_the_readmes_deliberate_findings_remain():
 
 
 def _role(kind: str, name: str) -> str:
-    """What docs/development.md calls an object: the chart's operator Deployment, any target's Deployment or Job."""
+    """What docs/development.md calls an object: the chart's Deployment, any target's Deployment or Job."""
     if name == "e3-eagle3-operator":
         return f"chart {kind}"
     return {"Deployment": "target Deployment", "Job": "hydration Job"}.get(kind, f"target {kind}")
