@@ -20,6 +20,7 @@ from eagle3_operator.indexes import ChildState, TargetKey, child_state, controll
 from eagle3_operator.kube import KubeApi, KubeError, NameConflict
 from eagle3_operator.render.children import rendered_digest
 from eagle3_operator.render.names import child_name
+from eagle3_operator.status import reasons
 from eagle3_operator.status.observation import Failure
 
 # Children whose kind has no index (its CRD may not even exist): looked up by name once per operator
@@ -91,20 +92,20 @@ def apply_failure(error: KubeError | NameConflict) -> Failure:
     403 is RBAC.
     """
     if isinstance(error, NameConflict):
-        return Failure("NameConflict", str(error))
+        return Failure(reasons.NAME_CONFLICT, str(error))
     text = error.message.lower()
     if "denied the request" in text or "denied request" in text:
-        reason = "AdmissionDenied"  # a webhook (often 403) or a ValidatingAdmissionPolicy (often 422)
+        reason = reasons.ADMISSION_DENIED  # a webhook (often 403) or a ValidatingAdmissionPolicy (often 422)
     elif error.status == 403 and "exceeded quota" in text:
-        reason = "QuotaExceeded"
+        reason = reasons.QUOTA_EXCEEDED
     elif error.status in (400, 422):
-        reason = "InvalidSpec"
+        reason = reasons.INVALID_SPEC
     elif error.status == 403:
-        reason = "Forbidden"
+        reason = reasons.FORBIDDEN
     elif error.status == 409:
-        reason = "Conflict"
+        reason = reasons.CONFLICT
     else:
-        reason = "ApplyFailed"
+        reason = reasons.APPLY_FAILED
     answer = f"HTTP {error.status or 'no answer'}"
     return Failure(reason, f"the API server rejected a child ({answer}): {error.message}")
 

@@ -16,6 +16,7 @@ The modules, in the order data flows through them:
 - `observation`: the typed record of one target at one moment (pods, Deployment, probes, download).
 - `observe`: reading the API's objects (pods and their container states, Jobs, Deployments) into it.
 - `state`: the rules: which phase, conditions and failure an observation means.
+- `reasons`: every condition reason, and the condition types each appears on.
 - `conditions`: condition states, their stored form and transition times, and the events they announce.
 - `document`: the status document as stored, and the patch that writes only what changed.
 """

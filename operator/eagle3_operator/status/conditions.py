@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from eagle3_operator.status.observation import FAILURE_PRIORITY, Failure, timestamp
+from eagle3_operator.status import reasons
+from eagle3_operator.status.observation import Failure, timestamp
+from eagle3_operator.status.reasons import AVAILABLE, DEGRADED, FAILURE_PRIORITY, PROGRESSING, READY
 
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
+CONDITION_TYPES = (READY, AVAILABLE, PROGRESSING, DEGRADED)
 
 
 class Condition(NamedTuple):
@@ -24,7 +26,7 @@ class Condition(NamedTuple):
 
 
 # The Degraded condition of every state that is not a failure.
-NOT_DEGRADED = Condition("False", "AsExpected", "nothing is failing")
+NOT_DEGRADED = Condition("False", reasons.AS_EXPECTED, "nothing is failing")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 The reconciler fills these from its caches and probes; everything else in the package reads only them,
 which is why status needs no cluster to test. Also the small shared vocabulary: a failure (reason and
-message) with the order in which reasons are reported, timestamps as the API writes them, and the address
-of a server at a pod IP.
+message) and the most actionable of several (reasons.FAILURE_PRIORITY), timestamps as the API writes
+them, and the address of a server at a pod IP.
 """
 
 import ipaddress
@@ -15,33 +15,9 @@ from typing import Any
 from eagle3_target.protocol import Activity, ClientActivity, ServedModel
 
 from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_operator.status.reasons import FAILURE_PRIORITY
 
 EPOCH = datetime.fromtimestamp(0, UTC)
-# When several things fail differently, the reason reported is the first in this order (most actionable).
-# The first ones are the API server's answers to applying a child (kube.KubeError.failure).
-FAILURE_PRIORITY = (
-    "NameConflict",
-    "AdmissionDenied",
-    "QuotaExceeded",
-    "Forbidden",
-    "Conflict",
-    "ApplyFailed",
-    "InvalidSpec",
-    "Unschedulable",
-    "ImagePullBackOff",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-    "ModelDownloadFailed",
-    "ModelLoadFailed",
-    "EngineFailed",
-    "OOMKilled",
-    "CrashLoopBackOff",
-    "ReplicaFailure",
-    "StartupTimeout",
-    "ProgressDeadlineExceeded",
-    "EndpointUnreachable",
-    "FingerprintMismatch",
-)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from eagle3_operator.constants import (
     WAIT_CONTAINER,
 )
 from eagle3_operator.render.server_command import model_identity
+from eagle3_operator.status import reasons
 from eagle3_operator.status.observation import (
     EPOCH,
     DeploymentView,
@@ -36,22 +37,21 @@ from eagle3_operator.status.observation import (
 
 # Container waiting reasons that will not clear on their own, mapped to the reason the status reports.
 WAITING_FAILURES = {
-    "ErrImagePull": "ImagePullBackOff",
-    "ImagePullBackOff": "ImagePullBackOff",
-    "InvalidImageName": "ImagePullBackOff",
-    "CrashLoopBackOff": "CrashLoopBackOff",
-    "CreateContainerConfigError": "CreateContainerConfigError",
-    "CreateContainerError": "CreateContainerError",
+    "ErrImagePull": reasons.IMAGE_PULL_BACK_OFF,
+    "ImagePullBackOff": reasons.IMAGE_PULL_BACK_OFF,
+    "InvalidImageName": reasons.IMAGE_PULL_BACK_OFF,
+    "CrashLoopBackOff": reasons.CRASH_LOOP_BACK_OFF,
+    "CreateContainerConfigError": reasons.CREATE_CONTAINER_CONFIG_ERROR,
+    "CreateContainerError": reasons.CREATE_CONTAINER_ERROR,
 }
 # Exits that explain why a pod does not serve, with the reason the status reports: the server's codes for
 # giving up (each with one line saying why: it could not load the model, or its loaded engine died), and
 # any failed download (its message is its log's tail: terminationMessagePolicy in render/hydration.py).
 SERVER_EXIT_REASONS = {
-    EXIT_INVALID_SETTINGS: "ModelLoadFailed",
-    EXIT_LOAD_FAILED: "ModelLoadFailed",
-    EXIT_ENGINE_FAILED: "EngineFailed",
+    EXIT_INVALID_SETTINGS: reasons.MODEL_LOAD_FAILED,
+    EXIT_LOAD_FAILED: reasons.MODEL_LOAD_FAILED,
+    EXIT_ENGINE_FAILED: reasons.ENGINE_FAILED,
 }
-DOWNLOAD_FAILED = "ModelDownloadFailed"
 # Server pods in these phases are finished (evicted, refused by the kubelet's admission, shut down with
 # their node, or exited): the ReplicaSet has replaced them, so they are neither endpoints nor replicas.
 FINISHED_POD_PHASES = frozenset({"Failed", "Succeeded"})
@@ -103,9 +103,9 @@ def job_view(job: Mapping[str, Any]) -> JobView:
     failed = conditions.get("Failed") or {}
     failure = None
     if failed.get("status") == "True":
-        reason = failed.get("reason") or "Failed"
+        why = failed.get("reason") or "Failed"
         failure = Failure(
-            "ModelDownloadFailed", f"{reason}: {failed.get('message') or 'the download Job failed'}"
+            reasons.MODEL_DOWNLOAD_FAILED, f"{why}: {failed.get('message') or 'the download Job failed'}"
         )
     return JobView(name=(job.get("metadata") or {}).get("name", ""), complete=complete, failure=failure)
 
@@ -132,7 +132,7 @@ def hydration_state(
         return Hydration(source, complete=True)
     if job is not None and job.failure is not None:
         said = next((p.failure for p in pods if p.finished and p.failure is not None), None)
-        failure = Failure("ModelDownloadFailed", said.message) if said is not None else job.failure
+        failure = Failure(reasons.MODEL_DOWNLOAD_FAILED, said.message) if said is not None else job.failure
         return Hydration(source, complete=False, failure=failure)
     stuck = next(((p, p.failure) for p in pods if not p.finished and p.failure is not None), None)
     if stuck is not None:
@@ -144,7 +144,7 @@ def hydration_state(
 
 def _pod_failure(scheduled: Mapping[str, Any], status: Mapping[str, Any]) -> Failure | None:
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
-        return Failure("Unschedulable", scheduled.get("message") or "no node fits the pod")
+        return Failure(reasons.UNSCHEDULABLE, scheduled.get("message") or "no node fits the pod")
     containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
     for container in containers:
         failure = _exit_failure(container)
@@ -175,9 +175,12 @@ def _exit_failure(container: Mapping[str, Any]) -> Failure | None:
     exited = f"container {name} exited with code {code}, {restarts} restarts"
     if terminated.get("reason") == "OOMKilled":
         return Failure(
-            "OOMKilled", f"{exited}: killed at its memory limit; raise spec.resources.limits.memory"
+            reasons.OOM_KILLED, f"{exited}: killed at its memory limit; raise spec.resources.limits.memory"
         )
-    reason = {SERVER_CONTAINER: SERVER_EXIT_REASONS.get(code), DOWNLOAD_CONTAINER: DOWNLOAD_FAILED}.get(name)
+    reason = {
+        SERVER_CONTAINER: SERVER_EXIT_REASONS.get(code),
+        DOWNLOAD_CONTAINER: reasons.MODEL_DOWNLOAD_FAILED,
+    }.get(name)
     if reason is None:
         return None
     return Failure(reason, f"{said} ({exited})" if said else exited)
@@ -188,9 +191,11 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
     failure = None
     for condition in status.get("conditions") or []:
         if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
-            failure = Failure("ReplicaFailure", condition.get("message") or "pods cannot be created")
+            failure = Failure(reasons.REPLICA_FAILURE, condition.get("message") or "pods cannot be created")
         elif condition.get("reason") == "ProgressDeadlineExceeded" and failure is None:
-            failure = Failure("ProgressDeadlineExceeded", condition.get("message") or "rollout timed out")
+            failure = Failure(
+                reasons.PROGRESS_DEADLINE_EXCEEDED, condition.get("message") or "rollout timed out"
+            )
     return DeploymentView(
         generation=metadata.get("generation", 0),
         observed_generation=status.get("observedGeneration", 0),

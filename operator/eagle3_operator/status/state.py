@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_operator.status import reasons
 from eagle3_operator.status.conditions import NOT_DEGRADED, Condition, failed, quiet
 from eagle3_operator.status.idle import idle_message
 from eagle3_operator.status.observation import (
@@ -67,7 +68,7 @@ def _invalid_state(observation: Observation, previous: Mapping[str, Any]) -> Tar
     """Children are left as they were, so what they serve (url, endpoints, model) stays published."""
     message = observation.spec_error or "the spec is invalid"
     kept = {key: previous.get(key) for key in OBSERVED_KEYS}
-    failure = Failure("InvalidSpec", message)
+    failure = Failure(reasons.INVALID_SPEC, message)
     return TargetState("Failed", failed(failure), kept, failure)
 
 
@@ -87,19 +88,22 @@ def _external_state(observation: Observation, spec: Eagle3TargetSpec) -> TargetS
     }
     if spec.suspend:
         return TargetState(
-            "Suspended", quiet("False", "Suspended", "suspended: the endpoint is not probed"), fields, None
+            "Suspended",
+            quiet("False", reasons.SUSPENDED, "suspended: the endpoint is not probed"),
+            fields,
+            None,
         )
     if ready:
-        return TargetState("Ready", quiet("True", "EndpointReady", f"{url} is ready"), fields, None)
+        return TargetState("Ready", quiet("True", reasons.ENDPOINT_READY, f"{url} is ready"), fields, None)
     error = _probe_error(probe)
     if probe is not None and probe.reachable:
         conditions = {
-            "Ready": Condition("False", "EndpointNotReady", f"{url}: {error}"),
-            "Progressing": Condition("True", "Loading", f"{url} answers but is not ready: {error}"),
+            "Ready": Condition("False", reasons.ENDPOINT_NOT_READY, f"{url}: {error}"),
+            "Progressing": Condition("True", reasons.LOADING, f"{url} answers but is not ready: {error}"),
             "Degraded": NOT_DEGRADED,
         }
         return TargetState("Loading", conditions, fields, None)
-    failure = Failure("EndpointUnreachable", f"{url}: {error}")
+    failure = Failure(reasons.ENDPOINT_UNREACHABLE, f"{url}: {error}")
     return TargetState("Failed", failed(failure), fields, failure)
 
 
@@ -147,24 +151,30 @@ def _managed_state(observation: Observation, spec: Eagle3TargetSpec, now: dateti
     progress = f"{len(serving)}/{desired} replicas serving"
     fingerprints = sorted({info.fingerprint for info in infos})
     offered = len(fingerprints) == 1 and desired > 0  # scaled to zero, the pods left are only stopping
-    available = Condition("True", "Serving", f"{progress} {fingerprints[0]}") if offered else None
+    available = Condition("True", reasons.SERVING, f"{progress} {fingerprints[0]}") if offered else None
     hydration = observation.hydration
     if hydration is not None and not hydration.complete and observation.apply_failure is None:
         return _hydrating_state(hydration, fields, serving=bool(serving))
     failure = _first_failure(pods, deployment, observation, spec, now)
     if len(fingerprints) > 1:  # endpoints running the same model-deciding flags answer different models
-        mismatch = Failure("FingerprintMismatch", f"replicas serve different models: {fingerprints}")
+        mismatch = Failure(reasons.FINGERPRINT_MISMATCH, f"replicas serve different models: {fingerprints}")
         failure = most_actionable([mismatch] if failure is None else [failure, mismatch])
     if failure is not None:
         phase = "Degraded" if serving else "Failed"
         return TargetState(phase, failed(failure), fields, failure, available)
     if desired == 0:
-        return TargetState("Pending", quiet("False", "ScaledToZero", "spec.replicas is 0"), fields, None)
+        return TargetState(
+            "Pending", quiet("False", reasons.SCALED_TO_ZERO, "spec.replicas is 0"), fields, None
+        )
     if rolled_out and len(serving) == desired:
-        return TargetState("Ready", quiet("True", "AllReplicasReady", progress), fields, None, available)
+        return TargetState(
+            "Ready", quiet("True", reasons.ALL_REPLICAS_READY, progress), fields, None, available
+        )
     loading = {pod.name: text for pod in pods if (text := _loading(pod, observation))}
     unprobed = [p.name for p in pods if p.ready and not _serving(p, observation) and p.name not in loading]
-    reason, detail = ("Loading", "loading") if rolled_out else ("RollingOut", "rolling out the current spec")
+    reason, detail = (
+        (reasons.LOADING, "loading") if rolled_out else (reasons.ROLLING_OUT, "rolling out the current spec")
+    )
     if unprobed:
         errors = "; ".join(f"{name}: {_probe_error(observation.probes.get(name))}" for name in unprobed)
         detail = f"pods ready but their servers are not: {errors}"
@@ -189,8 +199,8 @@ def _hydrating_state(hydration: Hydration, fields: dict[str, Any], *, serving: b
     if hydration.progress:
         message = f"{message}: {hydration.progress}"
     conditions = {
-        "Ready": Condition("False", "Downloading", message),
-        "Progressing": Condition("True", "Downloading", message),
+        "Ready": Condition("False", reasons.DOWNLOADING, message),
+        "Progressing": Condition("True", reasons.DOWNLOADING, message),
         "Degraded": NOT_DEGRADED,
     }
     return TargetState("Pending", conditions, fields, None)
@@ -199,12 +209,12 @@ def _hydrating_state(hydration: Hydration, fields: dict[str, Any], *, serving: b
 def _suspended_state(observation: Observation, fields: dict[str, Any]) -> TargetState:
     remaining = len(observation.pods)
     progressing = (
-        Condition("True", "Suspending", f"{remaining} pods still stopping")
+        Condition("True", reasons.SUSPENDING, f"{remaining} pods still stopping")
         if remaining
-        else Condition("False", "Suspended", "no pods run while suspended")
+        else Condition("False", reasons.SUSPENDED, "no pods run while suspended")
     )
     conditions = {
-        "Ready": Condition("False", "Suspended", "spec.suspend is true"),
+        "Ready": Condition("False", reasons.SUSPENDED, "spec.suspend is true"),
         "Progressing": progressing,
         "Degraded": NOT_DEGRADED,
     }
@@ -214,7 +224,7 @@ def _suspended_state(observation: Observation, fields: dict[str, Any]) -> Target
 def _idle_state(spec: Eagle3TargetSpec, fields: dict[str, Any]) -> TargetState:
     """Scaled to zero for idleness: settled from the start (its pods' stopping is no progress to report), so
     going idle is one event."""
-    return TargetState("Idle", quiet("False", "Idle", idle_message(spec)), fields, None)
+    return TargetState("Idle", quiet("False", reasons.IDLE, idle_message(spec)), fields, None)
 
 
 def _serving(pod: PodView, observation: Observation) -> bool:
@@ -260,13 +270,13 @@ def _first_failure(
             found.append(Failure(pod.failure.reason, f"pod {pod.name}: {pod.failure.message}"))
         elif pod.ready and not (probe := observation.probes.get(pod.name, ProbeResult(False))).reachable:
             # The kubelet's probe passes, ours cannot connect: something between operator and pod is wrong.
-            found.append(Failure("EndpointUnreachable", f"pod {pod.name}: {probe.error}"))
+            found.append(Failure(reasons.ENDPOINT_UNREACHABLE, f"pod {pod.name}: {probe.error}"))
         elif not pod.ready and pod.started and (now - pod.started).total_seconds() > budget:
             # No elapsed time in the message: it would change, and so rewrite the status, on every probe.
             message = (
                 f"pod {pod.name} not ready within startupTimeoutSeconds={budget} of {timestamp(pod.started)}"
             )
-            found.append(Failure("StartupTimeout", message))
+            found.append(Failure(reasons.STARTUP_TIMEOUT, message))
     if deployment is not None and deployment.failure is not None:
         found.append(deployment.failure)
     return most_actionable(found)
