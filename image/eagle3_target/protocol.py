@@ -28,12 +28,20 @@ FIELD_MANAGER = "eagle3-operator"
 OCTET_STREAM = "application/octet-stream"
 
 
+class TokenFileError(ValueError):
+    """A bearer-token file that cannot be read or holds no token (the message never holds a token)."""
+
+
 def read_token_file(path: Path) -> str:
     """The bearer token in `path`, surrounding whitespace removed (Secrets mounted as files end with a
     newline). The server checks requests against it and clients send it, so both read it here."""
-    token = path.read_text(encoding="utf-8").strip()
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise TokenFileError(f"cannot read token file {path}: {reason}") from None
     if not token:
-        raise ValueError(f"token file {path} is empty")
+        raise TokenFileError(f"token file {path} is empty")
     return token
 
 

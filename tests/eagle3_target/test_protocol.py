@@ -63,8 +63,10 @@ def test_token_file_is_stripped_and_must_not_be_empty(tmp_path: Path):
     (tmp_path / "t").write_text("  abc\n")
     assert protocol.read_token_file(tmp_path / "t") == "abc"
     (tmp_path / "empty").write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(protocol.TokenFileError, match="empty"):
         protocol.read_token_file(tmp_path / "empty")
+    with pytest.raises(protocol.TokenFileError, match=r"cannot read token file .*No such file"):
+        protocol.read_token_file(tmp_path / "missing")
 
 
 def test_an_older_servers_info_means_its_aux_layers_are_its_capture_set():

@@ -28,7 +28,12 @@ def resolve_command(
         typer.Option("--namespace", "-n", help="default: the kubeconfig's (or the pod's) namespace"),
     ] = None,
     wait: Annotated[
-        float, typer.Option(min=0, help="seconds to wait until the target serves; 0 checks once")
+        float,
+        typer.Option(
+            min=0,
+            help="seconds to wait until the target meets --require; 0 checks once (Python's resolve() "
+            "waits 300 by default)",
+        ),
     ] = 0.0,
     require: Annotated[
         Requirement,

@@ -22,7 +22,8 @@ class TargetAccessForbidden(ResolveError):
 
 
 class ResolveTimeout(ResolveError):
-    """The resource did not become Ready for its current generation within the wait budget."""
+    """The resource did not meet the requirement (Available, or Ready) for its current generation within
+    the wait budget."""
 
 
 class TargetUnavailable(ClientError):

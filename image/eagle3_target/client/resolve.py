@@ -223,7 +223,8 @@ def resolve(
 ) -> ResolvedTarget:
     """Return target `name` and the endpoints serving it, waiting up to `wait` seconds (0: check once) until
     it is Available (default: some endpoint serves the current model) or, with require="Ready", every
-    desired replica serves. An idle target is woken first unless `wake` is False.
+    desired replica serves. An idle target is woken first unless `wake` is False. (`eagle3-target resolve`
+    checks once unless given `--wait`.)
 
     Raises TargetNotFound, TargetCRDMissing, TargetAccessForbidden (also when waking is not allowed) or
     ResolveTimeout (naming the last reason).

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -39,6 +40,8 @@ from eagle3_target.protocol import (
     FinalState,
     LayerSelection,
     TargetInfo,
+    TokenFileError,
+    read_token_file,
 )
 from eagle3_target.wire import WireFormatError
 from eagle3_target.wire.tensors import decode, encode
@@ -51,13 +54,17 @@ class TargetClient:
     """A keep-alive HTTP client over a target's ready endpoints, with retries, fail-over and prefetch.
 
     `target` is one or more server URLs (`TargetClient("http://10.0.0.5:8000")`) or the name of an
-    `Eagle3Target` (`TargetClient("llama-8b", namespace="training")`): a name is resolved (waiting up to
-    `wait` seconds until it serves) and its endpoints are re-read from the resource while running; when
-    all of them fail and the resource says the target does not serve (idle, waking, restarting), the
-    client wakes it if idle and waits for it up to `wait` seconds again, time not counted against
-    `give_up_after_s`. Thread-safe. A request is retried until `give_up_after_s` passes (or after
-    `max_attempts`, when given), so a trainer outlives a replica's restart: model loading takes minutes,
-    far more than a fixed handful of retries.
+    `Eagle3Target` (`TargetClient("llama31-8b", namespace="ml-training")`): a name is resolved (waiting up
+    to `wait` seconds until it is Available: some endpoint serves the current model) and its endpoints are
+    re-read from the resource while running; when all of them fail and the resource says the target does
+    not serve (idle, waking, restarting), the client wakes it if idle and waits for it up to `wait` seconds
+    again, time not counted against `give_up_after_s`. Thread-safe. A request is retried until
+    `give_up_after_s` passes (or after `max_attempts`, when given), so a trainer outlives a replica's
+    restart: model loading takes minutes, far more than a fixed handful of retries.
+
+    The bearer token is `token`, or the contents of `token_file` (not both): a file is read again when a
+    request gets 401, and the request sent once more if it holds a new token, so a long run outlives the
+    rotation of a mounted Secret.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class TargetClient:
         wait: float = 300.0,
         kubeconfig: str | None = None,
         token: str | None = None,
+        token_file: Path | str | None = None,
         timeout_s: float = 120.0,
         max_attempts: int | None = None,
         give_up_after_s: float = 300.0,
@@ -77,6 +85,10 @@ class TargetClient:
         refresh_interval_s: float = 30.0,
         device: torch.device | str = "cpu",
     ) -> None:
+        if token is not None and token_file is not None:
+            raise ValueError("give the bearer token as token= or token_file=, not both")
+        self._token_file = None if token_file is None else Path(token_file)
+        self._token = token if self._token_file is None else read_token_file(self._token_file)
         self._refresh: Callable[[float], ResolvedTarget] | None = None
         resolved: ResolvedTarget | None = None
         if isinstance(target, str) and "://" not in target:
@@ -85,9 +97,10 @@ class TargetClient:
         else:
             urls = [target] if isinstance(target, str) else target
         self.pool = EndpointPool(urls, backoff_initial_s, backoff_max_s)
-        headers = {CLIENT_HEADER: client_id()} | ({"Authorization": f"Bearer {token}"} if token else {})
         # The endpoints are in-cluster peers, reached directly (never through an ambient proxy).
-        self._transport = Transport(headers, timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 10.0))
+        self._transport = Transport(
+            {CLIENT_HEADER: client_id()}, timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 10.0)
+        )
         self.max_attempts = max_attempts
         self.give_up_after_s = give_up_after_s
         self.allow_fingerprint_change = allow_fingerprint_change
@@ -331,17 +344,43 @@ class TargetClient:
 
     def _send(self, method: str, url: str, path: str, vocab: str | None, kwargs: dict[str, Any]) -> Reply:
         """One attempt on one endpoint; teaches it the draft vocabulary first if it does not know it yet."""
-        reply = self._transport.request(method, url + path, **kwargs)
+        reply = self._authorized(method, url + path, kwargs)
         mapping = self._vocabs.get(vocab) if vocab else None
         if reply.status_code == 404 and mapping is not None and _error_type(reply) == "not_found":
             # A restarted or newly added replica: register the mapping and send the same batch again.
             self._count("vocab_registrations")
             body = encode({"selected_token_ids": mapping.selected_token_ids.cpu().contiguous()})
-            registered = self._transport.request("PUT", f"{url}/v1/vocab-mappings/{vocab}", content=body)
+            registered = self._authorized("PUT", f"{url}/v1/vocab-mappings/{vocab}", {"content": body})
             if registered.status_code >= 400:
                 return registered
-            reply = self._transport.request(method, url + path, **kwargs)
+            reply = self._authorized(method, url + path, kwargs)
         return reply
+
+    def _authorized(self, method: str, url: str, kwargs: dict[str, Any]) -> Reply:
+        """One request with the current bearer token; a 401 re-reads the token file, and a new token there
+        sends the request once more (a rotated Secret), else the 401 stands."""
+        token = self._token
+        reply = self._transport.request(method, url, headers=_bearer(token), **kwargs)
+        if reply.status_code == 401 and self._renew_token(token):
+            self._count("token_reloads")
+            reply = self._transport.request(method, url, headers=_bearer(self._token), **kwargs)
+        return reply
+
+    def _renew_token(self, sent: str | None) -> bool:
+        """Whether the token file now holds a token other than `sent` (then it is the client's token)."""
+        if self._token_file is None:
+            return False
+        with self._lock:
+            if self._token != sent:  # another thread renewed it meanwhile
+                return True
+            try:
+                token = read_token_file(self._token_file)
+            except TokenFileError:
+                return False  # a file between two versions: the 401 stands, the next request reads again
+            if token == sent:
+                return False
+            self._token = token
+            return True
 
     def _check_fingerprint(self, fingerprint: str | None, source: str) -> None:
         """Pin the first fingerprint seen; a different one later is a different target."""
@@ -396,6 +435,10 @@ class TargetClient:
         with self._lock:
             self._last_refresh = time.monotonic()
             self._refresh_problem = problem
+
+
+def _bearer(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _parse_info(body: memoryview) -> TargetInfo:

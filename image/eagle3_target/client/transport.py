@@ -125,8 +125,10 @@ class Transport:
         *,
         params: Mapping[str, str] | None = None,
         content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Reply:
-        """Send one request and read its whole answer; `TransportError` when no complete answer came.
+        """Send one request (with `headers` besides the transport's own) and read its whole answer;
+        `TransportError` when no complete answer came.
 
         A keep-alive connection the server closed while it sat idle fails before any answer byte, with a
         reset, a broken pipe or an end of stream: then the request goes once more on a fresh connection, as
@@ -137,13 +139,14 @@ class Transport:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
         target = (parts.path or "/") + query
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-        headers = self.headers | ({"content-type": "application/octet-stream"} if content is not None else {})
+        typed = {"content-type": "application/octet-stream"} if content is not None else {}
+        sent = {**self.headers, **(headers or {}), **typed}
         connection = self._take(key)
         while True:
             reused = connection is not None
             connection = connection or self._open(key)
             try:
-                connection.request(method, target, body=content, headers=headers)
+                connection.request(method, target, body=content, headers=sent)
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 connection.close()

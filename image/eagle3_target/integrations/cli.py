@@ -49,9 +49,21 @@ def connection_options(
         typer.Option("--url", help="target server URL instead of a name (repeat for fail-over)"),
     ] = None,
     token_file: Annotated[
-        Path | None, typer.Option("--token-file", help="bearer token for the target")
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="file holding the target's bearer token, read again when it answers 401 (default: none "
+            "sent)",
+        ),
     ] = None,
-    wait: Annotated[float, typer.Option(min=0, help="seconds to wait for the target to be Ready")] = 300.0,
+    wait: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="seconds to wait for a named target to be Available (some endpoint serves its current "
+            "model), waking it if idle",
+        ),
+    ] = 300.0,
     kubeconfig: Annotated[str | None, typer.Option(envvar="KUBECONFIG", help="kubeconfig file")] = None,
 ) -> Connection:
     """The options every export command takes to find its target, as one `Connection`."""
@@ -130,7 +142,8 @@ def speculators(
     method: Annotated[
         str | None,
         typer.Option(
-            help="the draft method whose default layers to write: eagle3, peagle, dflash, dspark, mtp"
+            help="the draft method whose default layers to write: eagle3, peagle, dflash, dspark, mtp "
+            "(default: the target's aux layers, as EAGLE-3)"
         ),
     ] = None,
     layers: Annotated[
@@ -141,7 +154,10 @@ def speculators(
     ] = None,
     final: Annotated[
         str | None,
-        typer.Option(help="the last state the files end with: prenorm (speculators normalises it itself)"),
+        typer.Option(
+            help="the last state the files end with: prenorm, the only choice (speculators normalises it "
+            "itself); default: prenorm"
+        ),
     ] = None,
     batch_tokens: BatchTokensOption = None,
     depth: DepthOption = 2,
@@ -171,7 +187,10 @@ def specforge(
     connection: Connection,
     aux_layer_ids: Annotated[
         tuple[int, int, int] | None,
-        typer.Option(help="the aux layers SpecForge's run sets (model.aux_hidden_state_layer_ids)"),
+        typer.Option(
+            help="the aux layers SpecForge's run sets (model.aux_hidden_state_layer_ids); default: the draft "
+            "config's, else [1, L//2-1, L-4]"
+        ),
     ] = None,
     draft_config: Annotated[
         Path | None,

@@ -1,6 +1,7 @@
 """Where a served target is and how to reach it, from what a user types: a resource name (resolved and
-followed) or server URLs, and an optional bearer-token file. The exporters build one `Connection` from
-their shared options, the speculators backend from its flags; every process opens its own client from it.
+followed) or server URLs, and an optional bearer-token file (handed to the client as a file, which it reads
+again after a Secret's rotation). The exporters build one `Connection` from their shared options, the
+speculators backend from its flags; every process opens its own client from it.
 
 Torch-free (the client is imported when a connection opens), so the command line starts quickly.
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from eagle3_target.protocol import read_token_file
 
 if TYPE_CHECKING:
     from eagle3_target.client.target_client import TargetClient
@@ -26,7 +25,7 @@ class Connection:
     urls: tuple[str, ...] = ()
     namespace: str | None = None
     token_file: Path | None = None
-    wait: float = 300.0  # seconds to wait for a named target to be Ready
+    wait: float = 300.0  # seconds to wait for a named target to be Available (some endpoint serves)
     kubeconfig: str | None = None
 
     def open(self) -> TargetClient:
@@ -43,9 +42,12 @@ class Connection:
         bad = [u for u in self.urls if "://" not in u]
         if bad:
             raise ValueError(f"--url takes server URLs like http://10.0.0.5:8000, got {bad}")
-        token = read_token_file(self.token_file) if self.token_file is not None else None
         if self.target is not None:
             return TargetClient(
-                self.target, namespace=self.namespace, wait=self.wait, kubeconfig=self.kubeconfig, token=token
+                self.target,
+                namespace=self.namespace,
+                wait=self.wait,
+                kubeconfig=self.kubeconfig,
+                token_file=self.token_file,
             )
-        return TargetClient(list(self.urls), token=token)
+        return TargetClient(list(self.urls), token_file=self.token_file)

@@ -7,8 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from eagle3_target.protocol import read_token_file
-from eagle3_target.server.auth import BearerAuthMiddleware
+from eagle3_target.server.auth import BearerAuthMiddleware, TokenFile
 from eagle3_target.server.errors import install_error_handlers
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.routes import native, nemo, probes
@@ -26,13 +25,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(settings: ServerSettings) -> FastAPI:
     """Build the app. Starting it only starts the model load on a background thread, so the socket
-    listens (and /healthz answers, /readyz says 503) while the weights load."""
+    listens (and /healthz answers, /readyz says 503) while the weights load. TokenFileError when
+    `--auth-token-file` holds no token."""
     state = ServerState(settings)
     app = FastAPI(title="eagle3-target", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     if settings.auth_token_file is not None:
-        app.add_middleware(BearerAuthMiddleware, token=read_token_file(settings.auth_token_file))
+        app.add_middleware(BearerAuthMiddleware, tokens=TokenFile(settings.auth_token_file))
     app.add_middleware(RequestTrackingMiddleware, metrics=state.metrics)
     for routes in (probes, native, nemo):
         app.include_router(routes.router)

@@ -3,19 +3,79 @@
 Probes, the model's identity (/v1/info) and the metrics scrape stay open, so kubelet, Prometheus and the
 operator need no secret; every route that returns tensors or changes state needs the token, and /readyz
 names the clients that pull only to a caller that sends it (the rest see counts and ages). The
-comparison is constant-time so response timing leaks nothing about the token.
+comparison is constant-time so response timing leaks nothing about the token. The file is re-read when it
+changes, so a Secret rotated in place takes effect without a restart.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import os
+import time
+from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from eagle3_target.protocol import TokenFileError, read_token_file
 from eagle3_target.server.errors import Unauthorized
 from eagle3_target.server.routes.probes import AUTHENTICATED, PROBE_PATHS
 
 OPEN_PATHS = PROBE_PATHS | {"/v1/info"}
+# How often the token file is looked at: a rotated Secret takes effect within this (plus the kubelet's sync).
+TOKEN_CHECK_INTERVAL_S = 1.0
+
+log = logging.getLogger(__name__)
+
+
+class TokenFile:
+    """The bearer token in a file that may change while the server runs.
+
+    The kubelet updates a mounted Secret by swapping a `..data` symlink to a new timestamped directory, so
+    `os.stat` (which follows the links) sees another inode, mtime or size; it is called at most once per
+    `interval_s`, and only a change re-reads the file. A file that is missing, unreadable or empty for a
+    moment keeps the last good token, with one warning per problem (the token itself is never logged).
+    Used on the event loop only, so it needs no lock.
+    """
+
+    def __init__(self, path: Path, interval_s: float = TOKEN_CHECK_INTERVAL_S) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._seen = self._stat()  # before the read: a change between the two is seen on the next check
+        self._token = read_token_file(path)  # TokenFileError: a start without a token is refused
+        self._checked = time.monotonic()
+        self._problem: str | None = None
+
+    def current(self) -> str:
+        now = time.monotonic()
+        if now - self._checked < self.interval_s:
+            return self._token
+        self._checked = now
+        seen = self._stat()
+        if seen is not None and seen == self._seen:
+            return self._token
+        try:
+            token = read_token_file(self.path)
+        except TokenFileError as exc:
+            self._warn(str(exc))
+            return self._token
+        self._seen, self._problem = seen, None
+        if token != self._token:
+            self._token = token
+            log.info("bearer token file %s changed: requests now need its new token", self.path)
+        return self._token
+
+    def _stat(self) -> tuple[int, int, int, int] | None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return None  # read_token_file says why
+        return stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+    def _warn(self, problem: str) -> None:
+        if problem != self._problem:
+            self._problem = problem
+            log.warning("%s; the previous bearer token stays in force", problem)
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:
@@ -31,9 +91,9 @@ def bearer_matches(authorization: str | None, token: str) -> bool:
 class BearerAuthMiddleware:
     """Rejects requests without the right bearer token with 401 before any route runs."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenFile) -> None:
         self.app = app
-        self.token = token
+        self.tokens = tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -41,7 +101,7 @@ class BearerAuthMiddleware:
             return
         headers = dict(scope["headers"])
         authorization = headers.get(b"authorization", b"").decode("latin-1") or None
-        authenticated = bearer_matches(authorization, self.token)
+        authenticated = bearer_matches(authorization, self.tokens.current())
         if scope["path"] in OPEN_PATHS:  # open, but /readyz names its clients only to the token's holder
             scope.setdefault("state", {})[AUTHENTICATED] = authenticated
             await self.app(scope, receive, send)

@@ -23,8 +23,22 @@ from eagle3_target.server.settings import ENV_PREFIX, ServerSettings, describe
 KEEP_ALIVE_SECONDS = 600
 
 
+def flag_help(name: str, field: FieldInfo) -> str:
+    """A setting's `--help` text: its description, the variable read when the flag is not given, and its
+    default where it has one that is a value (a None default's description says what happens then).
+
+    Written as typer writes `envvar=` and `show_default=`, which cannot be used: typer's default would
+    hide whether a flag was given, and a variable's value must be checked by `ServerSettings`, so that a
+    refused one reaches the termination log like a flag's. "\\[" keeps rich markup from reading a tag.
+    """
+    parts = [field.description or "", f"\\[env var: {ENV_PREFIX}{name.upper()}]"]
+    if not (field.is_required() or field.default is None or field.default_factory is not None):
+        parts.append(f"\\[default: {field.default}]")
+    return " ".join(parts).lstrip()
+
+
 def _flag(name: str, field: FieldInfo) -> inspect.Parameter:
-    """One setting as a flag: the field's type, optional (None means "not given"), its description as help.
+    """One setting as a flag: the field's type, optional (None means "not given"), `flag_help` as help.
 
     A dict field is a repeatable KEY=VALUE flag, a tuple of any length one comma-separated word;
     `json_schema_extra={"flag": ...}` renames a flag.
@@ -36,7 +50,7 @@ def _flag(name: str, field: FieldInfo) -> inspect.Parameter:
         kind = list[str]
     elif any(get_args(arm)[-1:] == (Ellipsis,) for arm in get_args(field.annotation)):
         kind = str
-    option = typer.Option(flag, help=f"{field.description or ''} (env {ENV_PREFIX}{name.upper()})".lstrip())
+    option = typer.Option(flag, help=flag_help(name, field))
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
     )
@@ -55,7 +69,12 @@ def serve(**flags: Any) -> None:
     """
     import uvicorn
 
-    from eagle3_target.protocol import EXIT_ENGINE_FAILED, EXIT_INVALID_SETTINGS, EXIT_LOAD_FAILED
+    from eagle3_target.protocol import (
+        EXIT_ENGINE_FAILED,
+        EXIT_INVALID_SETTINGS,
+        EXIT_LOAD_FAILED,
+        TokenFileError,
+    )
     from eagle3_target.server.app import create_app
     from eagle3_target.server.http_protocol import (
         ConnectionGuard,
@@ -91,7 +110,11 @@ def serve(**flags: Any) -> None:
     except LoadFailed as exc:
         refuse(failure_line(exc), EXIT_LOAD_FAILED)
     configure_json_logging(settings.log_level.upper())
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except TokenFileError as exc:
+        action = "point --auth-token-file at a file holding the bearer token"
+        refuse(f"invalid setting: auth_token_file: {exc}; {action}", EXIT_INVALID_SETTINGS)
     state = app.state.server
     if settings.metrics_port:
         import prometheus_client

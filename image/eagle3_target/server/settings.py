@@ -40,7 +40,7 @@ class ServerSettings(BaseSettings):
         env_prefix=ENV_PREFIX, frozen=True, extra="forbid", protected_namespaces=()
     )
 
-    model: str = Field(description="Local model directory.")
+    model: str = Field(description="Local model directory (required).")
     engine: str = Field(DEFAULT_ENGINE, description=f"The engine: {' or '.join(ENGINES)}.")
     dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float32...")
     aux_layer_ids: Annotated[tuple[int, int, int] | None, NoDecode] = Field(
@@ -53,14 +53,16 @@ class ServerSettings(BaseSettings):
         "the aux layers.",
     )
     tensor_parallel_size: int = Field(1, description="GPUs per replica (sharded engines: vllm, sglang).")
-    max_model_len: int | None = Field(None, description="Longest accepted sequence.")
+    max_model_len: int | None = Field(
+        None, description="Longest accepted sequence (default: the model config's max_position_embeddings)."
+    )
     engine_args: Annotated[dict[str, object], NoDecode] = Field(
         default_factory=dict,
-        description="Extra engine argument KEY=VALUE (repeatable).",
+        description="Extra engine argument KEY=VALUE (repeatable; the variable holds them space-separated).",
         json_schema_extra={"flag": "engine-arg"},
     )
-    host: str = "0.0.0.0"
-    port: int = 8000
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, description="Port of the API, the probes and /metrics.")
     metrics_port: int = Field(
         0,
         description="Also serve /metrics alone on this port (0: off), for a network policy to open alone.",
@@ -99,11 +101,15 @@ class ServerSettings(BaseSettings):
         description="Connections served at once (lowered to fit the open-file limit); beyond them a few more "
         "may ask /healthz, /readyz and /metrics, and the rest get 503.",
     )
-    auth_token_file: Path | None = Field(None, description="Require this bearer token.")
-    trust_remote_code: bool = False
-    model_name: str | None = Field(None, description="Name in /v1/info.")
-    revision: str | None = Field(None, description="Revision in /v1/info.")
-    log_level: str = "INFO"
+    auth_token_file: Path | None = Field(
+        None,
+        description="Require the bearer token in this file on the data routes (default: none, all open); "
+        "read again within a second of a change, so a rotated Secret needs no restart.",
+    )
+    trust_remote_code: bool = Field(False, description="Let transformers run the model repository's code.")
+    model_name: str | None = Field(None, description="Name in /v1/info (default: the --model path).")
+    revision: str | None = Field(None, description="Revision in /v1/info (default: none).")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
     # The path Kubernetes reads (terminationMessagePath).
     termination_log: Path = Field(
         Path("/dev/termination-log"),

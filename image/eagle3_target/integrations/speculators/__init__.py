@@ -2,8 +2,11 @@
 
     python -m eagle3_target.integrations.speculators --hidden-states-backend eagle3-target \\
         --eagle3-target llama31-8b [--eagle3-target-namespace NS] [--eagle3-target-token-file F] \\
-        [--eagle3-target-kubeconfig FILE] \\
+        [--eagle3-target-kubeconfig FILE] [--eagle3-target-wait SECONDS] \\
         --on-missing raise <speculators train flags...>
+
+`--eagle3-target` takes a name, or server URLs separated by commas (fail-over): speculators copies only a
+backend flag's type and help into its own parser, so a flag given twice would keep only its last value.
 
 speculators' dataset asks the backend for row i's hidden states (`get_cached(i)`); this one computes them
 on the served target instead of reading vLLM's file: the same `hidden_states` [S, k+1, H] (the draft's
@@ -37,6 +40,8 @@ from eagle3_target.methods import hf_layer_ids
 from eagle3_target.protocol import TargetInfo
 
 BACKEND = "eagle3-target"
+# Seconds to wait for a named target to be Available: long enough for an idle 70B target to wake and load.
+DEFAULT_WAIT_S = 900.0
 
 
 # The draft config key that holds its target layers (vLLM capture ids), by speculator type.
@@ -132,18 +137,30 @@ class Eagle3TargetBackend(HiddenStatesBackend):
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--eagle3-target", default=None, help="Eagle3Target name, or its server URL (http://...)"
+            "--eagle3-target",
+            default=None,
+            help="Eagle3Target name, or its server URLs (http://...), comma-separated for fail-over",
         )
         parser.add_argument(
             "--eagle3-target-namespace", default=None, help="the target's namespace (default: kubeconfig's)"
         )
         parser.add_argument(
-            "--eagle3-target-token-file", default=None, help="file holding the target's bearer token"
+            "--eagle3-target-token-file",
+            default=None,
+            help="file holding the target's bearer token (read again when the target answers 401)",
         )
         parser.add_argument(
             "--eagle3-target-kubeconfig",
             default=None,
             help="kubeconfig to resolve the name with (default: $KUBECONFIG)",
+        )
+        parser.add_argument(
+            "--eagle3-target-wait",
+            type=float,
+            default=DEFAULT_WAIT_S,
+            help="seconds to wait for a named target to be Available (some endpoint serves its current "
+            f"model), waking it if idle; also how long a run waits when it stops serving (default: "
+            f"{DEFAULT_WAIT_S:.0f})",
         )
 
     @staticmethod
@@ -156,12 +173,13 @@ class Eagle3TargetBackend(HiddenStatesBackend):
         if not target:
             raise ValueError(f"--hidden-states-backend {BACKEND} needs --eagle3-target NAME (or URL)")
         token_file = getattr(args, "eagle3_target_token_file", None)
-        by_url = "://" in target
+        urls = tuple(url.strip() for url in target.split(",") if url.strip()) if "://" in target else ()
         connection = Connection(
-            target=None if by_url else target,
-            urls=(target,) if by_url else (),
+            target=None if urls else target,
+            urls=urls,
             namespace=getattr(args, "eagle3_target_namespace", None),
             token_file=Path(token_file) if token_file else None,
+            wait=getattr(args, "eagle3_target_wait", DEFAULT_WAIT_S),
             kubeconfig=getattr(args, "eagle3_target_kubeconfig", None),
         )
         with connection.open() as client:
