@@ -30,7 +30,7 @@ VENV_STAMP := $(VENV)/.synced-$(call key,pyproject.toml $(VENV_LOCKS))
 SGLANG_STAMP := $(SGLANG_VENV)/.synced-$(call key,$(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py $(SGLANG_NO_VLLM)/__init__.py)
 SYNC_FAILED := echo "==> the download does not match the lock (uv says why above); if the lock is wrong, make lock rewrites it" >&2; exit 1
 
-.PHONY: setup venv sglang tools demo-tools locks-current lock images images-check test lint demo cluster-up cluster-down bench clean
+.PHONY: setup venv sglang tools demo-tools locks-current lock wheel images images-check test lint demo cluster-up cluster-down bench clean
 
 # Everything the tests use; the Python environments and the Go builds run at once.
 setup:
@@ -83,6 +83,13 @@ tools:
 
 demo-tools:
 	@support/cluster/build-tools.sh demo
+
+# The distribution as a wheel (both packages, every extra), for `pip install "$(DIST)/eagle3_target-...whl[client]"`;
+# built from a clean tree (setuptools would otherwise reuse build/ and keep files since removed).
+DIST ?= dist
+wheel: $(UV_STAMP)
+	@rm -rf build && $(UV) build --quiet --python $(PYTHON) --wheel --out-dir $(DIST) . && rm -rf build
+	@echo "==> $(DIST)/eagle3_target-$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-py3-none-any.whl"
 
 # Both images with buildah (image/build.sh: installs buildah and mmdebstrap when missing, caches by content).
 images:
