@@ -151,6 +151,14 @@ class ChildApplier:
                 current = await self._existing(manifest, namespace, name)
             if current is not None and not _differs(manifest, current, writes):
                 continue
+            if current is not None and current.job is not None and _rerendered(manifest, current):
+                # A Job's pod template cannot change, and its name leaves out how it downloads (a mirror,
+                # a proxy, its resources: render/hydration.py). A completed download stands; one still
+                # running or failed is replaced (the next pass creates it; files already there are kept).
+                if not current.job.complete:
+                    await self._api.delete(current.api_version, "Job", namespace, current.name, current.uid)
+                    writes.applied.pop(child_key, None)
+                continue
             result = await self._api.apply(manifest)
             metrics.CHILD_APPLIES.labels(kind=manifest["kind"]).inc()
             writes.applied[child_key] = (result.get("metadata") or {}).get("resourceVersion", "")
@@ -198,9 +206,14 @@ class ChildApplier:
         writes.unwatched[child_key] = state if state is None or state.owner_uid == uid else None
 
 
+def _rerendered(manifest: Mapping[str, Any], current: ChildState) -> bool:
+    """Whether the rendering moved since the child was applied (its stamped digest)."""
+    return rendered_digest(current.essence) != rendered_digest(manifest)
+
+
 def _differs(manifest: Mapping[str, Any], current: ChildState, writes: ChildWrites) -> bool:
     """Whether to apply: the rendering moved (its digest), or someone else changed the child (drift)."""
-    if rendered_digest(current.essence) != rendered_digest(manifest):
+    if _rerendered(manifest, current):
         return True
     child_key = (manifest["kind"], manifest["metadata"]["name"])
     if writes.applied.get(child_key) == current.resource_version:

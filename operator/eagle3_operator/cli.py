@@ -33,7 +33,7 @@ from eagle3_operator.kube import KubeApi
 from eagle3_operator.leader import LeaderElector
 from eagle3_operator.readiness import Readiness
 from eagle3_operator.render.server_image import DEFAULT_IMAGE, ServerImages, release_image
-from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning
+from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning, parse_labels
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +54,24 @@ def run(
             "-n",
             help="namespace to serve (repeatable); a glob (team-*) makes kopf watch Namespaces, and a"
             " matching namespace created while that watch re-lists goes unserved until it changes",
+            show_default="none: pass it or --all-namespaces",
         ),
     ] = None,
     all_namespaces: Annotated[
-        bool, typer.Option("--all-namespaces", "-A", help="serve every namespace (cluster-wide)")
+        bool,
+        typer.Option(
+            "--all-namespaces", "-A", help="serve every namespace (cluster-wide)", show_default="off"
+        ),
     ] = False,
     liveness: Annotated[
         str, typer.Option(help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz; empty disables")
     ] = "http://0.0.0.0:8080/healthz",
     readiness: Annotated[
         str,
-        typer.Option(help="readiness endpoint (readiness.py), e.g. http://0.0.0.0:8082/readyz; empty: none"),
+        typer.Option(
+            help="readiness endpoint (readiness.py), e.g. http://0.0.0.0:8082/readyz",
+            show_default="empty: none",
+        ),
     ] = "",
     metrics_port: Annotated[int, typer.Option(help="port of /metrics (Prometheus); 0 disables")] = 8081,
     metrics_address: Annotated[str, typer.Option(help="address /metrics binds to")] = "0.0.0.0",
@@ -79,11 +86,25 @@ def run(
         typer.Option(
             envvar="POD_NAMESPACE",
             help="the namespace this operator runs in, admitted to targets' data port by their NetworkPolicy",
+            show_default="none: not admitted",
         ),
     ] = None,
     prometheus_namespace: Annotated[
         str | None,
-        typer.Option(help="the namespace Prometheus runs in, admitted to targets' metrics port"),
+        typer.Option(
+            help="the namespace Prometheus runs in, admitted to targets' metrics port by their NetworkPolicy",
+            show_default="none: not admitted, so Prometheus cannot scrape a target with spec.networkPolicy",
+        ),
+    ] = None,
+    pod_monitor_label: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KEY=VALUE",
+            help="label on every PodMonitor the operator renders (repeatable), e.g."
+            " release=kube-prometheus-stack for a Prometheus that selects PodMonitors by it; a target's"
+            " spec.monitoring.podMonitor.labels win on the same key",
+            show_default="none",
+        ),
     ] = None,
     server_image: Annotated[
         str,
@@ -99,14 +120,21 @@ def run(
         bool, typer.Option(help="act only while holding a coordination.k8s.io Lease (run several replicas)")
     ] = False,
     leader_election_namespace: Annotated[
-        str | None, typer.Option(help="namespace of the Lease; default: --operator-namespace, else default")
+        str | None,
+        typer.Option(help="namespace of the Lease", show_default="--operator-namespace, else default"),
     ] = None,
     leader_election_name: Annotated[str, typer.Option(help="name of the Lease")] = "eagle3-operator",
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="debug logging", show_default="off")
+    ] = False,
 ) -> None:
     """Reconcile Eagle3Target resources into target-server Deployments and publish their status."""
     if bool(namespace) == all_namespaces:
         raise typer.BadParameter("pass --namespace (repeatable) or --all-namespaces, exactly one of them")
+    try:
+        monitor_labels = parse_labels(pod_monitor_label or [])
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--pod-monitor-label") from None
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
     if not verbose:  # One line per handler call and per probe request would drown the real news.
         for noisy in ("kopf.objects", "httpx", "aiohttp.access"):
@@ -120,6 +148,7 @@ def run(
         server_images=ServerImages(default=server_image, sglang=sglang_server_image),
         operator_namespace=operator_namespace,
         prometheus_namespace=prometheus_namespace,
+        pod_monitor_labels=monitor_labels,
     )
     lease_namespace = leader_election_namespace or operator_namespace or "default"
     election = (lease_namespace, leader_election_name) if leader_elect else None

@@ -56,11 +56,12 @@ OPERATOR_VOLUMES = frozenset({"model", "dshm", "auth", "scratch"})
 OPERATOR_MOUNT_PATHS = (MODEL_MOUNT, SHM_MOUNT, AUTH_MOUNT, SCRATCH_MOUNT)
 # Environment the server container gets from the operator: the Hub switch and every EAGLE3_TARGET_* setting
 # the command line already sets from a typed field (flags win over env, so such an entry would be ignored).
+OPERATOR_ENV_PREFIX = "EAGLE3_TARGET_"
 OPERATOR_ENV = frozenset(
     {
         "HF_HUB_OFFLINE",
         *(
-            f"EAGLE3_TARGET_{name}"
+            f"{OPERATOR_ENV_PREFIX}{name}"
             for name in (
                 "MODEL",
                 "ENGINE",
@@ -81,6 +82,9 @@ OPERATOR_ENV = frozenset(
         ),
     }
 )
+# Environment of the hydration Job's download that only the operator sets: the Hub token (from the source's
+# tokenSecretRef), the cache location, the Hub switch, and (by OPERATOR_ENV_PREFIX) the CLI's own settings.
+HYDRATION_ENV = frozenset({"HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE"})
 # Pod label keys the operator sets: two select the pods (a Deployment's selector is immutable), the managed-by
 # label is what the operator's pod watch selects on.
 OPERATOR_LABEL_KEYS = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL_MANAGED_BY)

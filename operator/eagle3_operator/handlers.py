@@ -69,7 +69,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
         targets=kwargs["target_index"],
         children=[kwargs[f"{child.plural}_index"] for child in WATCHED_CHILD_KINDS],
         pods=kwargs["pod_index"],
-        neighbours=Neighbours(config.operator_namespace, config.prometheus_namespace),
+        neighbours=Neighbours(
+            config.operator_namespace, config.prometheus_namespace, config.pod_monitor_labels
+        ),
         probe_interval=config.reprobe_seconds,
         server_images=config.server_images,
     )

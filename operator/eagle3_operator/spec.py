@@ -30,6 +30,7 @@ from eagle3_operator.spec_model_source import HuggingFaceSource, ModelSource, Mo
 from eagle3_operator.spec_pod_settings import (
     EnvVar,
     LabelSelector,
+    LabelValue,
     LocalObjectReference,
     PodMetadata,
     PodSecurity,
@@ -38,6 +39,7 @@ from eagle3_operator.spec_pod_settings import (
     TopologySpreadConstraint,
     Volume,
     VolumeMount,
+    check_label_key,
 )
 
 ENGINE_ARG_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -105,7 +107,15 @@ class NetworkPolicySpec(SpecModel):
 class PodMonitorSpec(SpecModel):
     enabled: bool = False
     interval: str = Field("30s", pattern=r"^([0-9]+(ms|s|m|h))+$")
-    labels: dict[str, str] = Field(default_factory=dict)
+    # What the cluster's Prometheus selects PodMonitors by (kube-prometheus-stack: release).
+    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("labels")
+    @classmethod
+    def _keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            check_label_key(key)
+        return value
 
 
 class MonitoringSpec(SpecModel):

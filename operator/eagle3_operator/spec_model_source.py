@@ -8,7 +8,9 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
+from eagle3_operator.constants import HYDRATION_ENV, OPERATOR_ENV_PREFIX
 from eagle3_operator.spec_fields import DNSName, SpecModel
+from eagle3_operator.spec_pod_settings import EnvVar, ResourceRequirements
 
 HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$"
 HF_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*$"
@@ -40,6 +42,21 @@ class HuggingFaceSource(SpecModel):
     revision: str | None = Field(None, pattern=HF_REVISION_PATTERN, max_length=200)
     token_secret_ref: SecretKeyRef | None = None
     cache_claim_name: DNSName
+    # The download's reach (a mirror, a proxy) and size: not what is downloaded, so not the Job's name.
+    env: list[EnvVar] = Field(default_factory=list, max_length=32)
+    resources: ResourceRequirements | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _names_clear_of_the_operators(cls, value: list[EnvVar]) -> list[EnvVar]:
+        names = [var.name for var in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"name must be unique; repeated: {', '.join(repeated)}")
+        taken = sorted(n for n in names if n in HYDRATION_ENV or n.startswith(OPERATOR_ENV_PREFIX))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the operator (HF_TOKEN from tokenSecretRef)")
+        return value
 
 
 class ModelSource(SpecModel):

@@ -10,7 +10,7 @@ the Deployment is applied.
 import re
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from eagle3_operator.constants import DEFAULT_CONTAINER_ANNOTATION, OPERATOR_LABEL_KEYS, OPERATOR_MOUNT_PATHS
 from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
@@ -29,6 +29,16 @@ QUALIFIED_NAME_PATTERN = (
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+
+
+def check_label_key(key: str) -> str:
+    """A label key a user may set on a child: a qualified name, not one of the operator's own."""
+    if not re.match(QUALIFIED_NAME_PATTERN, key) or len(key) > 316:
+        raise ValueError(f"key {key!r} is not a qualified name such as example.com/team")
+    if key in OPERATOR_LABEL_KEYS:
+        raise ValueError(f"key {key!r} is set by the operator")
+    return key
 
 
 class ResourceRequirements(SpecModel):
@@ -108,19 +118,23 @@ def _overlaps(path: str, other: str) -> bool:
 class PodMetadata(SpecModel):
     """Extra labels and annotations for the server pods (e.g. Kueue's queue name, a mesh opt-out)."""
 
-    labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
-        default_factory=dict
-    )
+    labels: dict[str, LabelValue] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("labels", "annotations")
+    @field_validator("labels")
     @classmethod
-    def _keys(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
-        reserved = OPERATOR_LABEL_KEYS if info.field_name == "labels" else (DEFAULT_CONTAINER_ANNOTATION,)
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            check_label_key(key)
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotation_keys(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
             if not re.match(QUALIFIED_NAME_PATTERN, key) or len(key) > 316:
                 raise ValueError(f"key {key!r} is not a qualified name such as example.com/team")
-            if key in reserved:
+            if key == DEFAULT_CONTAINER_ANNOTATION:
                 raise ValueError(f"key {key!r} is set by the operator")
         return value
 

@@ -1,10 +1,11 @@
-"""The `eagle3-operator` command line refuses an ambiguous scope before it touches any cluster, and picks
-kopf's settings for the scope it is given."""
+"""The `eagle3-operator` command line refuses an ambiguous scope or a malformed PodMonitor label before it
+touches any cluster, shows every option's default, and picks kopf's settings for the scope it is given."""
 
 import kopf
 import pytest
+import typer
 from eagle3_operator.cli import app
-from eagle3_operator.settings import OperatorConfig, configure, needs_cluster_scanning
+from eagle3_operator.settings import OperatorConfig, configure, needs_cluster_scanning, parse_labels
 from typer.testing import CliRunner
 
 
@@ -29,8 +30,39 @@ def test_help_names_the_operational_flags():
         "--leader-elect",
         "--leader-election-namespace",
         "--server-image",
+        "--pod-monitor-label",
     ):
         assert flag in result.output
+
+
+def test_help_shows_every_options_default():
+    command = typer.main.get_command(app)
+    context = command.context_class(command)
+    options = [p for p in command.params if isinstance(p, typer.core.TyperOption) and p.name != "help"]
+    assert len(options) > 10
+    for option in options:
+        record = option.get_help_record(context)
+        assert record is not None and "default: " in record[1], option.name
+
+
+@pytest.mark.parametrize(
+    ("label", "why"),
+    [
+        ("release", "is not KEY=VALUE"),
+        ("app.kubernetes.io/name=x", "is set by the operator"),
+        ("release=not a value", "is not a label value"),
+        ("-bad=x", "is not a qualified name"),
+    ],
+)
+def test_a_malformed_pod_monitor_label_stops_the_start(label, why):
+    result = CliRunner().invoke(app, ["-A", "--pod-monitor-label", label], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert "--pod-monitor-label" in result.output and why in result.output
+
+
+def test_pod_monitor_labels_parse_into_a_mapping():
+    pairs = ["release=kube-prometheus-stack", "example.com/team=ml", "empty="]
+    assert parse_labels(pairs) == {"release": "kube-prometheus-stack", "example.com/team": "ml", "empty": ""}
 
 
 @pytest.mark.parametrize(

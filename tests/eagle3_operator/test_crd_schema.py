@@ -69,6 +69,19 @@ GOOD_SPECS = {
     "pvc with sub path": with_model({"pvc": {"claimName": "models", "subPath": "llama/8b"}}),
     "host path": with_model({"hostPath": {"path": "/srv/models/tiny"}}, engine="hf", tensorParallelSize=0),
     "hugging face": with_model(HF, replicas=2),
+    "hugging face through a mirror and a proxy": with_model(
+        {
+            "huggingFace": {
+                **HF["huggingFace"],
+                "env": [
+                    {"name": "HF_ENDPOINT", "value": "https://hub-mirror.example"},
+                    {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}},
+                    {"name": "NO_PROXY", "value": ".svc,.cluster.local"},
+                ],
+                "resources": {"requests": {"cpu": 2, "memory": "2Gi"}, "limits": {"memory": "16Gi"}},
+            }
+        }
+    ),
     "external": {"endpoint": {"url": "https://target.example:8443/base"}},
     "everything": with_model(
         PVC,
@@ -307,6 +320,28 @@ BAD_SPECS = {
         "rollout.maxSurge and rollout.maxUnavailable must not both be 0",
     ),
     "rollout with a fraction": (with_model(PVC, rollout={"maxSurge": "half"}), "spec.rollout.maxSurge"),
+    "hub token in the download's env": (
+        with_model({"huggingFace": {**HF["huggingFace"], "env": [{"name": "HF_TOKEN", "value": "hf_x"}]}}),
+        "huggingFace.env must not set HF_TOKEN (use huggingFace.tokenSecretRef)",
+    ),
+    "operator setting in the download's env": (
+        with_model(
+            {"huggingFace": {**HF["huggingFace"], "env": [{"name": "EAGLE3_TARGET_X", "value": "1"}]}}
+        ),
+        "HF_HOME, HF_HUB_OFFLINE or EAGLE3_TARGET_*: the operator sets them",
+    ),
+    "gpu for the download": (
+        with_model({"huggingFace": {**HF["huggingFace"], "resources": {"limits": {"nvidia.com/gpu": 1}}}}),
+        "the download needs no GPU",
+    ),
+    "operator label on the pod monitor": (
+        with_model(PVC, monitoring={"podMonitor": {"labels": {"app.kubernetes.io/instance": "x"}}}),
+        "podMonitor.labels must not set app.kubernetes.io/name, instance, component or managed-by",
+    ),
+    "bad pod monitor label key": (
+        with_model(PVC, monitoring={"podMonitor": {"labels": {"-release": "x"}}}),
+        "podMonitor.labels keys must be qualified names",
+    ),
 }
 
 

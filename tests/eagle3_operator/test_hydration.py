@@ -1,6 +1,7 @@
 """A Hugging Face source against the real control plane: one download Job for all replicas, which wait
 for it; a download that cannot succeed fails the target with its reason; a running download's progress
-moves in status; a new download leaves the previous one serving until it completes.
+moves in status; a new download leaves the previous one serving until it completes; a mirror and
+resources reach the download without a new download.
 
 One operator process serves the whole module (only this module's namespaces); each test has its own.
 """
@@ -175,6 +176,57 @@ def test_a_new_download_leaves_the_previous_one_serving_until_it_completes(targe
     finally:
         for volume in volumes:
             targets.core.delete_persistent_volume(volume)
+
+
+def test_a_mirror_and_resources_reach_the_download_without_a_new_download(targets: Targets):
+    """The source's env (a mirror, a proxy) and resources are how the download runs, not what it downloads:
+    they follow the operator's own env and keep the Job's name. A Job that has not completed is replaced to
+    take a change; a completed one stands, and the target keeps serving."""
+    mirror = [
+        {"name": "HF_ENDPOINT", "value": "http://hub-mirror.example"},
+        {"name": "NO_PROXY", "value": ".svc"},
+    ]
+    resources = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+    manifest = hub_target("mirrored", "mirror-cache")
+    manifest["spec"]["model"]["source"]["huggingFace"] |= {"env": mirror, "resources": resources}
+    targets.create(manifest)
+    (job,) = eventually(lambda: hydration_jobs(targets), "the hydration Job")
+    (container,) = job.spec.template.spec.containers
+    names = [var.name for var in container.env]
+    assert names[-2:] == ["HF_ENDPOINT", "NO_PROXY"] and "HF_HOME" in names[:-2]
+    assert container.env[-2].value == "http://hub-mirror.example"
+    assert container.resources.requests == {"cpu": "500m", "memory": "2Gi", "ephemeral-storage": "256Mi"}
+    assert container.resources.limits == {"memory": "8Gi", "ephemeral-storage": "2Gi"}
+    eventually(lambda: targets.status_with_reason("mirrored", "Unschedulable"), "the stuck download reported")
+
+    # Not completed (no claim yet): the Job is replaced under the same name to take the new mirror.
+    mirror[0]["value"] = "http://other-mirror.example"
+    source = {"huggingFace": {"repo": "org/tiny-llama", "cacheClaimName": "mirror-cache", "env": mirror}}
+    targets.patch_spec("mirrored", {"model": {"source": source}})
+
+    def replaced() -> kubernetes.client.V1Job | None:
+        jobs = [j for j in hydration_jobs(targets) if j.metadata.uid != job.metadata.uid]
+        return jobs[0] if jobs else None
+
+    new_job = eventually(replaced, "the stuck download's Job replaced")
+    assert new_job.metadata.name == job.metadata.name
+    assert new_job.spec.template.spec.containers[0].env[-2].value == "http://other-mirror.example"
+
+    volume = bind_claim(targets, "mirror-cache")
+    try:
+        eventually(lambda: targets.pods("mirrored"), "a server pod once the download completed")
+        (completed,) = eventually(lambda: [j for j in hydration_jobs(targets) if j.status.succeeded], "done")
+        # Completed: a new mirror is no new download; the Job and the serving Deployment stand.
+        mirror[0]["value"] = "http://third-mirror.example"
+        generation = targets.patch_spec("mirrored", {"model": {"source": source}})
+        eventually(
+            lambda: targets.status("mirrored").get("observedGeneration") == generation, "the change seen"
+        )
+        assert [j.metadata.uid for j in hydration_jobs(targets)] == [completed.metadata.uid]
+        assert condition(targets.status("mirrored"), "Ready")["reason"] != "Downloading"
+        assert targets.deployment("mirrored").spec.replicas == 1
+    finally:
+        targets.core.delete_persistent_volume(volume)
 
 
 @contextlib.contextmanager

@@ -60,5 +60,5 @@ def build_children(
         build_network_policy(name, namespace, spec, owner, neighbours),
     ]
     if pod_monitor_supported:
-        optional.append(build_pod_monitor(name, namespace, spec, owner))
+        optional.append(build_pod_monitor(name, namespace, spec, owner, neighbours))
     return [stamp_digest(child) for child in children + optional if child is not None]

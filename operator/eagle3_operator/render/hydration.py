@@ -39,10 +39,17 @@ from eagle3_operator.render.pod_parts import (
 from eagle3_operator.render.server_image import ImagePin
 from eagle3_operator.spec import Eagle3TargetSpec
 
+# The download container's resources unless the source names its own (spec.model.source.huggingFace.
+# resources replaces them whole; ephemeral-storage keeps its defaults unless named).
+DOWNLOAD_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
 
-def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
+
+def _download_container(spec: Eagle3TargetSpec, image: str, *, tuned: bool = True) -> dict[str, Any]:
     """The hydration Job's container: `eagle3-target hydrate` fills the cache claim from the Hub, keeping
-    files already there, and marks the directory complete only once every file is whole."""
+    files already there, and marks the directory complete only once every file is whole.
+
+    `tuned`: with the source's own env and resources, which decide how the download reaches the Hub and
+    how big its pod is, not what it downloads (hydration_job_name renders without them)."""
     source = spec.hugging_face
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf-home"},
@@ -52,6 +59,11 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     if source.token_secret_ref is not None:
         ref = source.token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    resources: dict[str, Any] = DOWNLOAD_RESOURCES
+    if tuned:
+        env = _with_env(env, [var.model_dump(by_alias=True, exclude_none=True) for var in source.env])
+        if source.resources is not None:
+            resources = source.resources.model_dump(by_alias=True, exclude_defaults=True)
     return {
         "name": DOWNLOAD_CONTAINER,
         "image": image,
@@ -64,17 +76,20 @@ def _download_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
         ],
         "env": env,
         "ports": [{"name": "progress", "containerPort": HYDRATION_PROGRESS_PORT, "protocol": "TCP"}],
-        "resources": with_ephemeral_storage(
-            {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}},
-            "256Mi",
-            "2Gi",
-        ),
+        "resources": with_ephemeral_storage(resources, "256Mi", "2Gi"),
         "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, SCRATCH_VOLUME_MOUNT],
         # The Hub's refusal (a gated repo, a bad token, a missing revision) is the termination message;
         # a crash before it could write one leaves the tail of the log instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": container_security(),
     }
+
+
+def _with_env(env: list[dict[str, Any]], extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ENV followed by EXTRA, an EXTRA entry replacing one of the same name (an env list is keyed by name:
+    server-side apply refuses a name twice)."""
+    named = {var["name"] for var in extra}
+    return [var for var in env if var["name"] not in named] + extra
 
 
 def wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
@@ -95,12 +110,14 @@ def wait_container(spec: Eagle3TargetSpec, image: str) -> dict[str, Any]:
     }
 
 
-def _hydration_job_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dict[str, Any]:
+def _hydration_job_spec(
+    name: str, spec: Eagle3TargetSpec, pin: ImagePin, *, tuned: bool = True
+) -> dict[str, Any]:
     image = spec.image or pin.image
     pod: dict[str, Any] = {
         # Never: a failed attempt stays as a pod whose termination message says why; the Job retries.
         "restartPolicy": "Never",
-        "containers": [_download_container(spec, image)],
+        "containers": [_download_container(spec, image, tuned=tuned)],
         "volumes": [model_volume(spec)[0], SCRATCH_VOLUME],
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -126,10 +143,12 @@ def _hydration_job_spec(name: str, spec: Eagle3TargetSpec, pin: ImagePin) -> dic
 def hydration_job_name(name: str, spec: Eagle3TargetSpec, pin: ImagePin = ImagePin()) -> str | None:
     """The hydration Job's name for this spec (None without a huggingFace source). It changes with what the
     Job would do, because a Job's pod template cannot change: a new source, revision, claim or image gets a
-    new Job, which finds a snapshot that is already complete marked and ends at once."""
+    new Job, which finds a snapshot that is already complete marked and ends at once. The source's env and
+    resources are left out: a new mirror, proxy or size is not a new download, so a completed Job stands
+    and the target keeps serving (child_applier replaces a Job that has not completed)."""
     if spec.model is None or spec.model.source is None or spec.model.source.hugging_face is None:
         return None
-    digest = short_hash(json.dumps(_hydration_job_spec(name, spec, pin), sort_keys=True))
+    digest = short_hash(json.dumps(_hydration_job_spec(name, spec, pin, tuned=False), sort_keys=True))
     return fit_name(f"{child_name(name)[: NAME_LIMIT - 2 * HASH_LENGTH - 11]}-hydrate-{digest}")
 
 

@@ -1,7 +1,8 @@
 """How the server pods are reached: the Service in front of the data port, the URL status publishes, the
 PodMonitor on the metrics port, and the NetworkPolicy that admits exactly those who need either port."""
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_operator.constants import POD_MONITOR_API_VERSION
@@ -17,11 +18,14 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 @dataclass(frozen=True)
 class Neighbours:
-    """Namespaces outside a target's spec that its NetworkPolicy admits: the operator's (it probes the
-    servers' data port) and Prometheus' (it scrapes the metrics port). None: not known, not admitted."""
+    """What the cluster around a target asks of its children, beyond its spec: the namespaces its
+    NetworkPolicy admits, the operator's (it probes the servers' data port) and Prometheus' (it scrapes the
+    metrics port; None: not known, not admitted), and the labels that Prometheus selects PodMonitors by
+    (the operator's --pod-monitor-label)."""
 
     operator_namespace: str | None = None
     prometheus_namespace: str | None = None
+    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
 def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:
@@ -53,14 +57,15 @@ def build_service(name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict
 
 
 def build_pod_monitor(
-    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any]
+    name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], neighbours: Neighbours
 ) -> dict[str, Any] | None:
-    """A prometheus-operator PodMonitor on the server's metrics port (no token needed), when asked for."""
+    """A prometheus-operator PodMonitor on the server's metrics port (no token needed), when asked for;
+    labelled for the Prometheus that should select it (the target's own labels win over the operator's)."""
     monitor = spec.monitoring.pod_monitor
     if not monitor.enabled:
         return None
     metadata = child_metadata(child_name(name), name, namespace, owner)
-    metadata["labels"] = {**monitor.labels, **metadata["labels"]}
+    metadata["labels"] = {**neighbours.pod_monitor_labels, **monitor.labels, **metadata["labels"]}
     return {
         "apiVersion": POD_MONITOR_API_VERSION,
         "kind": "PodMonitor",

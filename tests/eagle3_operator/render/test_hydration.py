@@ -1,5 +1,6 @@
 """A Hugging Face source's hydration Job: one download the server pods wait for, no server pod until it
-has finished, pods no server selector picks, and a name that changes with what it downloads."""
+has finished, pods no server selector picks, a name that changes with what it downloads (not with how:
+the source's env and resources), and that env and those resources on its download container."""
 
 from eagle3_operator.render.children import build_children
 from eagle3_operator.render.hydration import hydration_job_name
@@ -99,3 +100,47 @@ def test_the_job_is_named_for_what_it_downloads():
     assert hydration_job_name("tiny", make_spec()) is None
     long_name = hydration_job_name(LONG_NAME, make_spec(HF_SOURCE))
     assert len(long_name) <= 63 and DNS_1035.match(long_name)
+
+
+def test_how_the_download_runs_leaves_the_jobs_name():
+    """A mirror, a proxy or more memory is the same download: the Job keeps its name (child_applier replaces
+    one that has not completed)."""
+    tuned = {
+        "huggingFace": {
+            **HF_SOURCE["huggingFace"],
+            "env": [{"name": "HF_ENDPOINT", "value": "https://hub-mirror.example"}],
+            "resources": {"limits": {"memory": "16Gi"}},
+        }
+    }
+    assert hydration_job_name("tiny", make_spec(tuned)) == hydration_job_name("tiny", make_spec(HF_SOURCE))
+    assert job_of(make_spec(tuned)) != job_of(make_spec(HF_SOURCE))
+
+
+def test_the_sources_env_follows_the_operators_and_replaces_a_default_it_names():
+    env = [
+        {"name": "HF_ENDPOINT", "value": "https://hub-mirror.example"},
+        {"name": "HTTPS_PROXY", "valueFrom": {"secretKeyRef": {"name": "proxy", "key": "url"}}},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "0"},
+    ]
+    source = {"huggingFace": {**HF_SOURCE["huggingFace"], "tokenSecretRef": {"name": "hf"}, "env": env}}
+    (download,) = job_of(make_spec(source))["spec"]["template"]["spec"]["containers"]
+    names = [var["name"] for var in download["env"]]
+    assert names[-3:] == ["HF_ENDPOINT", "HTTPS_PROXY", "HF_HUB_DISABLE_TELEMETRY"]
+    assert names.count("HF_HUB_DISABLE_TELEMETRY") == 1  # an env list is keyed by name
+    assert {"HF_HOME", "HF_TOKEN"} <= set(names[:-3])
+    assert download["env"][-2] == env[1]
+    assert all(var["name"] != "HF_ENDPOINT" for var in server_of(make_spec(source))["env"])
+
+
+def test_the_download_resources_default_and_are_replaced_whole():
+    (default,) = job_of(make_spec(HF_SOURCE))["spec"]["template"]["spec"]["containers"]
+    assert default["resources"] == {
+        "requests": {"ephemeral-storage": "256Mi", "cpu": "1", "memory": "1Gi"},
+        "limits": {"ephemeral-storage": "2Gi", "cpu": "4", "memory": "4Gi"},
+    }
+    source = {"huggingFace": {**HF_SOURCE["huggingFace"], "resources": {"limits": {"memory": "16Gi"}}}}
+    (tuned,) = job_of(make_spec(source))["spec"]["template"]["spec"]["containers"]
+    assert tuned["resources"] == {
+        "requests": {"ephemeral-storage": "256Mi"},
+        "limits": {"ephemeral-storage": "2Gi", "memory": "16Gi"},
+    }

@@ -45,10 +45,25 @@ def test_pod_monitor_when_enabled_and_its_crd_exists():
     assert "PodMonitor" not in children(make_spec())
 
 
-def test_operator_labels_win_over_pod_monitor_labels():
-    monitoring = {"podMonitor": {"enabled": True, "labels": {"app.kubernetes.io/instance": "other"}}}
-    monitor = children(make_spec(monitoring=monitoring))["PodMonitor"]
-    assert monitor["metadata"]["labels"]["app.kubernetes.io/instance"] == "tiny"
+def test_pod_monitor_labels_the_targets_own_over_the_operators_flag_and_the_selecting_ones_over_both():
+    """--pod-monitor-label labels every PodMonitor, a target's own labels win on a key, and the labels that
+    tie the PodMonitor to its target win over both (the spec and the flag refuse them anyway)."""
+    monitoring = {"podMonitor": {"enabled": True, "labels": {"release": "team-prometheus"}}}
+    flag_labels = {"release": "kube-prometheus-stack", "team": "ml", "app.kubernetes.io/instance": "other"}
+    neighbours = Neighbours(pod_monitor_labels=flag_labels)
+    labels = children(make_spec(monitoring=monitoring), neighbours=neighbours)["PodMonitor"]["metadata"][
+        "labels"
+    ]
+    assert labels["release"] == "team-prometheus" and labels["team"] == "ml"
+    assert labels["app.kubernetes.io/instance"] == "tiny"
+    plain = children(make_spec(monitoring={"podMonitor": {"enabled": True}}), neighbours=neighbours)
+    assert plain["PodMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert (
+        "team"
+        not in children(make_spec(monitoring={"podMonitor": {"enabled": True}}))["PodMonitor"]["metadata"][
+            "labels"
+        ]
+    )
 
 
 NEIGHBOURS = Neighbours(operator_namespace="eagle3-system", prometheus_namespace="monitoring")
