@@ -32,11 +32,24 @@ VALUE_SETS: dict[str, dict[str, str]] = {
         "image.tag": "dev",
     },
     "no metrics service": {"metrics.service.enabled": "false"},
-    "prometheus namespace, no user roles": {
-        "targets.prometheusNamespace": "monitoring",
+    "other prometheus, no user roles": {
+        "targets.prometheusNamespace": "prometheus",
+        "targets.podMonitorLabels.prometheus": "main",
+        "targets.podMonitorLabels.release": "null",
         "rbac.aggregateToDefaultRoles": "false",
     },
+    "dashboard and alerts": {
+        "grafana.dashboard.enabled": "true",
+        "grafana.dashboard.namespace": "grafana",
+        "grafana.dashboard.annotations.grafana_folder": "Eagle3",
+        "prometheusRule.enabled": "true",
+        "prometheusRule.alertLabels.team": "ml-platform",
+        "prometheusRule.degraded.for": "15m",
+        "prometheusRule.wakeStuck.pendingSeconds": "3600",
+    },
 }
+# prometheus-operator's PrometheusRule CRD as the tests install it (the chart's alerts need it).
+PROMETHEUS_RULE_CRD = REPO / "support" / "crds" / "prometheusrules.monitoring.coreos.com.yaml"
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -48,6 +48,39 @@ BAD_VALUES = {
         {"targets.prometheusNamespace": "Mon_1"},
         "at '/targets/prometheusNamespace'",
     ),
+    "pod monitor labels as a list": (
+        {"targets.podMonitorLabels": "{release}"},
+        "at '/targets/podMonitorLabels': got array, want object",
+    ),
+    "pod monitor label value": (
+        {"targets.podMonitorLabels.release": "kube prometheus"},
+        "at '/targets/podMonitorLabels/release'",
+    ),
+    "pod monitor label key": ({"targets.podMonitorLabels.bad key": "x"}, "invalid propertyName 'bad key'"),
+    "dashboard without a label": (
+        {"grafana.dashboard.labels": "null", "grafana.dashboard.enabled": "true"},
+        "at '/grafana/dashboard': missing property 'labels'",
+    ),
+    "dashboard namespace": ({"grafana.dashboard.namespace": "Grafana"}, "at '/grafana/dashboard/namespace'"),
+    "unknown dashboard key": ({"grafana.dashboards.enabled": "true"}, "additional properties 'dashboards'"),
+    "alert duration": ({"prometheusRule.degraded.for": "ten minutes"}, "at '/prometheusRule/degraded/for'"),
+    "queue depth": (
+        {"prometheusRule.queueSaturated.queueDepth": "0"},
+        "at '/prometheusRule/queueSaturated/queueDepth'",
+    ),
+    "rejections per second": (
+        {"prometheusRule.queueSaturated.rejectedPerSecond": "0"},
+        "at '/prometheusRule/queueSaturated/rejectedPerSecond'",
+    ),
+    "wake threshold": (
+        {"prometheusRule.wakeStuck.pendingSeconds": "soon"},
+        "at '/prometheusRule/wakeStuck/pendingSeconds'",
+    ),
+    "runbook url": (
+        {"prometheusRule.runbookBaseUrl": "docs/troubleshooting.md"},
+        "at '/prometheusRule/runbookBaseUrl'",
+    ),
+    "rule labels": ({"prometheusRule.labels": "release"}, "at '/prometheusRule/labels'"),
 }
 
 

@@ -71,7 +71,7 @@ def test_operator_args_are_valid_and_probes_hit_its_ports(case):
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert options["metrics_port"] == ports["metrics"]
     assert options["verbose"] is (values.get("logLevel") == "debug")
-    assert options["prometheus_namespace"] == (values.get("targets.prometheusNamespace") or None)
+    assert options["prometheus_namespace"] == values.get("targets.prometheusNamespace", "monitoring")
     (pod_namespace,) = [e for e in container["env"] if e["name"] == "POD_NAMESPACE"]
     assert pod_namespace["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert container["image"] == f"ghcr.io/eagle3-dev/eagle3-operator:{values.get('image.tag', '0.1.0')}"
