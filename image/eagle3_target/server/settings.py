@@ -44,7 +44,7 @@ class ServerSettings(BaseSettings):
     engine: str = Field(DEFAULT_ENGINE, description=f"The engine: {' or '.join(ENGINES)}.")
     dtype: str = Field("auto", description="Model dtype: auto, bfloat16, float32...")
     aux_layer_ids: Annotated[tuple[int, int, int] | None, NoDecode] = Field(
-        None, description="Three HF aux layer ids; default [1, L//2-1, L-4]."
+        None, description="Three HF aux layer ids (default: [1, L//2-1, L-4])."
     )
     capture_layer_ids: Annotated[tuple[int, ...] | None, NoDecode] = Field(
         None,

@@ -1,9 +1,12 @@
-"""`eagle3-target serve` has exactly one flag per server setting, typed like it."""
+"""`eagle3-target serve` has exactly one flag per server setting, typed like it and documented in --help."""
+
+import re
 
 import typer
 from eagle3_target.cli import app
 from eagle3_target.server.cli import given_flags
 from eagle3_target.server.settings import ServerSettings
+from typer.testing import CliRunner
 
 
 def serve_command():
@@ -33,3 +36,24 @@ def test_an_unset_flag_leaves_the_environment_in_charge(monkeypatch):
     given = given_flags(serve_command().make_context("serve", ["--model", "/m"]).params)
     assert given == {"model": "/m"}
     assert ServerSettings(**given).engine_args == {"enforce_eager": True, "max_num_seqs": 4}
+
+
+def test_help_shows_each_settings_variable_and_default():
+    """`serve --help` says, per flag, the variable read when it is not given and the default."""
+    shown = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", shown).split())
+    params = [param for param in serve_command().params if param.name in ServerSettings.model_fields]
+    starts = [text.index(f" {param.opts[0]} ") for param in params]  # rows in declaration order
+    assert starts == sorted(starts)
+    for param, start, end in zip(params, starts, [*starts[1:], len(text)], strict=True):
+        row, field = text[start:end], ServerSettings.model_fields[param.name]
+        assert f"[env var: EAGLE3_TARGET_{param.name.upper()}]" in row, row
+        if field.is_required():
+            assert "(required)" in row, row
+        elif field.default_factory is not None:
+            assert "(repeatable" in row, row
+        elif field.default is None:
+            assert "default: " in row, row  # the description says what an unset one means
+        else:
+            assert f"[default: {field.default}]" in row, row
+    assert "[default: vllm]" in text and "[default: 8000]" in text and "[default: 32768]" in text
