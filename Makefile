@@ -91,7 +91,9 @@ wheel: $(UV_STAMP)
 	@rm -rf build && $(UV) build --quiet --python $(PYTHON) --wheel --out-dir $(DIST) . && rm -rf build
 	@echo "==> $(DIST)/eagle3_target-$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-py3-none-any.whl"
 
-# Both images with buildah (image/build.sh: installs buildah and mmdebstrap when missing, caches by content).
+# The operator's, target's and SGLang target's images with buildah (image/build.sh: installs buildah and
+# mmdebstrap when missing, caches by content); where a base cannot be pulled it prints the commands that build
+# and push that image on a machine that can (IMAGE_REGISTRY=... names the registry).
 images:
 	@image/build.sh
 

