@@ -169,19 +169,7 @@ class Eagle3TargetBackend(HiddenStatesBackend):
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> Eagle3TargetTransfer:
-        target = getattr(args, "eagle3_target", None)
-        if not target:
-            raise ValueError(f"--hidden-states-backend {BACKEND} needs --eagle3-target NAME (or URL)")
-        token_file = getattr(args, "eagle3_target_token_file", None)
-        urls = tuple(url.strip() for url in target.split(",") if url.strip()) if "://" in target else ()
-        connection = Connection(
-            target=None if urls else target,
-            urls=urls,
-            namespace=getattr(args, "eagle3_target_namespace", None),
-            token_file=Path(token_file) if token_file else None,
-            wait=getattr(args, "eagle3_target_wait", DEFAULT_WAIT_S),
-            kubeconfig=getattr(args, "eagle3_target_kubeconfig", None),
-        )
+        connection = connection_from_args(args)
         with connection.open() as client:
             info = client.info()
         layer_ids = feature_layer_ids(draft_layer_ids(args, info.num_hidden_layers), info)
@@ -190,6 +178,23 @@ class Eagle3TargetBackend(HiddenStatesBackend):
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"the {BACKEND} backend needs no vLLM kv connector")
+
+
+def connection_from_args(args: argparse.Namespace) -> Connection:
+    """The target the `--eagle3-target*` flags name: a resource name, or comma-separated server URLs."""
+    target = getattr(args, "eagle3_target", None)
+    if not target:
+        raise ValueError(f"--hidden-states-backend {BACKEND} needs --eagle3-target NAME (or URLs)")
+    token_file = getattr(args, "eagle3_target_token_file", None)
+    urls = tuple(url.strip() for url in target.split(",") if url.strip()) if "://" in target else ()
+    return Connection(
+        target=None if urls else target,
+        urls=urls,
+        namespace=getattr(args, "eagle3_target_namespace", None),
+        token_file=Path(token_file) if token_file else None,
+        wait=getattr(args, "eagle3_target_wait", DEFAULT_WAIT_S),
+        kubeconfig=getattr(args, "eagle3_target_kubeconfig", None),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
