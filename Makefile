@@ -30,10 +30,15 @@ VENV_STAMP := $(VENV)/.synced-$(call key,pyproject.toml $(VENV_LOCKS))
 SGLANG_STAMP := $(SGLANG_VENV)/.synced-$(call key,$(SGLANG_LOCK) $(SGLANG_STAND_IN)/__init__.py $(SGLANG_NO_VLLM)/__init__.py)
 SYNC_FAILED := echo "==> the download does not match the lock (uv says why above); if the lock is wrong, make lock rewrites it" >&2; exit 1
 
-.PHONY: setup venv sglang tools demo-tools locks-current lock wheel images images-check test lint demo cluster-up cluster-down bench clean
+.PHONY: prereqs setup venv sglang tools demo-tools locks-current lock wheel images images-check test lint demo cluster-up cluster-down bench clean
+
+# What the machine needs (Python 3.11, Go at least as new as support/cluster/tools/go.mod's, x86_64 Linux):
+# each missing piece named with what to do, before anything is installed.
+prereqs:
+	@PYTHON=$(PYTHON) scripts/check_prereqs.sh
 
 # Everything the tests use; the Python environments and the Go builds run at once.
-setup:
+setup: prereqs
 	@$(MAKE) --no-print-directory -j3 venv sglang tools
 
 venv: $(VENV_STAMP)
@@ -51,6 +56,7 @@ lock: $(UV_STAMP)
 	$(PYTHON) scripts/lock.py
 
 $(UV_STAMP): locks/uv.txt
+	@PYTHON=$(PYTHON) scripts/check_prereqs.sh python
 	@echo "==> uv: pip install from locks/uv.txt into $(UV_HOME)"
 	@$(PYTHON) -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
 	  --require-hashes --upgrade --target $(UV_HOME) -r locks/uv.txt
@@ -58,6 +64,7 @@ $(UV_STAMP): locks/uv.txt
 
 # A sync, not an install on top: exactly the locked set, every hash checked, anything else removed.
 $(VENV_STAMP): pyproject.toml $(VENV_LOCKS) | $(UV_STAMP) locks-current
+	@scripts/check_prereqs.sh machine
 	@echo "==> $(VENV): sync to $(VENV_LOCKS) (the first sync downloads torch, several GB, kept in uv's cache)"
 	@start=$$SECONDS; test -x $(VENV)/bin/python || $(UV) venv --quiet --python $(PYTHON) $(VENV); \
 	  $(UV) pip sync --python $(VENV)/bin/python --require-hashes $(VENV_LOCKS) || { $(SYNC_FAILED); }; \
@@ -114,7 +121,7 @@ test: setup
 	$(SGLANG_VENV)/bin/python -m pytest $(SGLANG_TESTS)
 
 # Waits only for what the demo runs: $(VENV) and the control plane's binaries, built at once.
-demo:
+demo: prereqs
 	@$(MAKE) --no-print-directory -j2 venv demo-tools
 	$(VENV)/bin/python -m examples.demo --engine $(ENGINE)
 

@@ -14,6 +14,8 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
+# A Go at least as new as tools/go.mod's, named with what to do where it is missing or older.
+"$repo/scripts/check_prereqs.sh" go
 store=${E3T_TOOL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eagle3-target/bin}
 bin="$repo/.cache/bin"
 mkdir -p "$store" "$bin"
