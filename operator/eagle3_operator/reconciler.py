@@ -34,7 +34,7 @@ from eagle3_operator.render.server_image import DEFAULT_IMAGES, ImagePin, Server
 from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec, unknown_fields
 from eagle3_operator.status.conditions import Transition, transitions
 from eagle3_operator.status.document import compute_status, status_patch
-from eagle3_operator.status.idle import IdleJudgement, judge_idle
+from eagle3_operator.status.idle import IdleJudgement, judge_idle, wake_pending_since
 from eagle3_operator.status.observation import (
     EPOCH,
     Failure,
@@ -122,6 +122,7 @@ class Reconciler:
         )
         self._instances: dict[TargetKey, str] = {}  # (namespace, pod instance label) -> target name
         self._published: dict[TargetKey, tuple[str, int]] = {}  # what the target gauges count: phase, ready
+        self._series = metrics.TargetSeries(clock)  # each target's condition and wake gauges
 
     def request(self, key: TargetKey) -> None:
         """Ask for a pass over one target; cheap, never blocks, coalesces with a pass already queued."""
@@ -243,6 +244,7 @@ class Reconciler:
             self._queue.forget(key)
         self._published[key] = (status["phase"], status.get("readyReplicas") or 0)
         metrics.publish_targets(self._published.values())
+        self._series.publish(key, status["conditions"], wake_pending_since(snapshot.wake, status))
         if observation.spec is None:
             outcome.result = "invalid_spec"
         elif observation.apply_failure is not None:
@@ -461,3 +463,4 @@ class Reconciler:
         self._instances.pop((key[0], selector_labels(key[1])[LABEL_INSTANCE]), None)
         self._published.pop(key, None)
         metrics.publish_targets(self._published.values())
+        self._series.remove(key)

@@ -15,7 +15,7 @@ from eagle3_operator.spec import Eagle3TargetSpec, InvalidSpec
 from eagle3_target.protocol import API_VERSION, KIND, MAX_CAPTURE_LAYERS, PLURAL, TargetInfo
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b.yaml")]
+EXAMPLES = [ROOT / "examples" / name for name in ("quickstart.yaml", "llama-3.1-8b/target.yaml")]
 
 PVC = {"pvc": {"claimName": "models"}}
 HF = {"huggingFace": {"repo": "org/tiny", "cacheClaimName": "hf-cache", "tokenSecretRef": {"name": "hf"}}}
@@ -149,7 +149,11 @@ def test_good_targets_are_accepted_with_the_typed_specs_defaults(target_api, nam
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_pass_a_server_side_dry_run(cluster, target_api, namespace, path):
-    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path))
+    documents = list(yaml.safe_load_all(path.read_text()))
+    for document in documents:
+        document["metadata"].pop("namespace", None)  # into the test's namespace
+    manifest = yaml.safe_dump_all(documents)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=manifest)
     assert "eagle3target.eagle3.dev/" in result.stdout
 
 

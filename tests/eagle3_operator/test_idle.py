@@ -1,7 +1,7 @@
 """Idle targets on the real control plane, with real server processes in their pods (the test kubelet): a
 target nobody pulls from goes to zero pods a window after the last data request, not before and not later
 for an operator restart; trainers pulling keep it serving and show as consumers; resolve() wakes it, unless
-told not to or not allowed to."""
+told not to or not allowed to; a woken target that cannot load shows in the operator's per-target gauges."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,11 @@ import kubernetes
 import pytest
 from eagle3_operator.settings import OperatorConfig
 from eagle3_target.client import ResolveTimeout, TargetAccessForbidden, resolve
-from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, CLIENT_HEADER, GROUP, PLURAL
+from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, CLIENT_HEADER, GROUP, PLURAL, VERSION
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster.access import Cluster
-from support.cluster.waiting import eventually
+from support.cluster.waiting import LOOPBACK, eventually
 from support.kubelet import Kubelet
 from support.operator_process import OperatorProcess
 from support.supervision import supervise, token_batch
@@ -147,6 +148,89 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
     assert "idle" not in status and condition(status, "Available")["status"] == "True"
     assert [e.reason for e in targets.events("napper") if e.reason == "Idle"] == ["Idle"]
     assert operator.metric_total("eagle3_operator_wake_ups_total") == 1
+
+
+def target_gauges(operator: OperatorProcess, namespace: str, name: str) -> dict[tuple[str, str], float]:
+    """The operator's per-target series of one target: (condition, reason) -> value, ("wake", "") -> the
+    wake gauge."""
+    text = httpx.get(f"http://{LOOPBACK}:{operator.metrics_port}/metrics", timeout=5).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (sample.labels.get("namespace"), sample.labels.get("target")) != (namespace, name):
+                continue
+            if sample.name == "eagle3_operator_target_condition":
+                found[sample.labels["condition"], sample.labels["reason"]] = sample.value
+            elif sample.name == "eagle3_operator_target_wake_pending_seconds":
+                found["wake", ""] = sample.value
+    return found
+
+
+def test_a_woken_target_that_cannot_load_shows_in_its_wake_and_condition_gauges(
+    targets: Targets, kubelet: Kubelet, operator: OperatorProcess, tiny_llama_dir: Path
+):
+    """One condition series per condition, following its reason (the old reason's series goes); the wake
+    gauge grows while a woken target fails to load and is 0 once it is Available; deleting the target
+    removes its series."""
+    namespace = targets.namespace
+    targets.create(kubelet_target_manifest("insomniac", tiny_llama_dir, idle={"scaleToZeroAfter": "8s"}))
+    eventually(lambda: idle_since(targets.status("insomniac")), "insomniac idle", timeout=START_SECONDS + 30)
+    idle = eventually(
+        lambda: (g := target_gauges(operator, namespace, "insomniac")).get(("Ready", "Idle")) == 0 and g,
+        "the Idle reason in the condition gauge",
+    )
+    assert idle == {
+        ("Ready", "Idle"): 0,
+        ("Available", "Idle"): 0,
+        ("Progressing", "Idle"): 0,
+        ("Degraded", "AsExpected"): 0,
+        ("wake", ""): 0,
+    }
+
+    # While idle, the spec breaks the server's start; then a wake is asked for (as resolve() asks).
+    targets.patch_spec("insomniac", {"engine": "vllm", "engineArgs": {"no_such_arg": "2"}})
+    annotations = {ANNOTATION_WAKE_REQUESTED: datetime.now(UTC).isoformat()}
+    targets.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "insomniac", {"metadata": {"annotations": annotations}}
+    )
+    failing = eventually(
+        lambda: (
+            condition(targets.status("insomniac"), "Degraded").get("status") == "True"
+            and targets.status("insomniac")
+        ),
+        "the woken target failing to load",
+        timeout=START_SECONDS,
+    )
+    reason = condition(failing, "Degraded")["reason"]
+    first = eventually(
+        lambda: (g := target_gauges(operator, namespace, "insomniac")).get(("Degraded", reason)) == 1 and g,
+        "the failure in the condition gauge",
+    )
+    assert first[("Ready", reason)] == 0 and ("Ready", "Idle") not in first
+    assert len([key for key in first if key[0] == "Ready"]) == 1
+    assert first["wake", ""] > 0
+    eventually(
+        lambda: target_gauges(operator, namespace, "insomniac")["wake", ""] > first["wake", ""],
+        "the wake gauge growing while the target cannot load",
+    )
+
+    targets.patch_spec("insomniac", {"engine": "hf", "engineArgs": None})
+    eventually(
+        lambda: condition(targets.status("insomniac"), "Available").get("status") == "True",
+        "the target Available",
+        timeout=START_SECONDS,
+    )
+    served = eventually(
+        lambda: (
+            (g := target_gauges(operator, namespace, "insomniac")).get(("Available", "Serving")) == 1 and g
+        ),
+        "Available in the condition gauge",
+    )
+    assert served["wake", ""] == 0
+    assert not [key for key in served if key[1] == reason]
+
+    targets.delete("insomniac")
+    eventually(lambda: not target_gauges(operator, namespace, "insomniac"), "the target's series removed")
 
 
 def may_read(kubeconfig: Path, namespace: str, name: str) -> bool:

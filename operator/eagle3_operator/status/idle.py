@@ -21,12 +21,13 @@ immune to clock skew between the caller and the operator.
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, IDLE_SINCE, IDLE_WAKE_RECORDED, wake_requested
 
 from eagle3_operator.spec import Eagle3TargetSpec
+from eagle3_operator.status import reasons
 from eagle3_operator.status.observation import ActivityReport, parse_timestamp, timestamp
 
 # status.consumers.lastRequestAt moves in steps of this fraction of the idle window (between the bounds), so
@@ -82,6 +83,25 @@ def judge_idle(
     return IdleJudgement(None, consumers, consumers_recheck, reports_wanted_after=deadline)
 
 
+def wake_pending_since(wake: str | None, status: Mapping[str, Any]) -> datetime | None:
+    """When a wake that has not come true yet was asked for: the time in the wake annotation, while the
+    (computed) status says the target is not Available and has not been since before that time (it went
+    idle, was woken, and has not served since, however it fails meanwhile). None otherwise: Available,
+    suspended, no wake since it last served, or an annotation that holds no time (resolve() writes one)."""
+    available = _condition(status, reasons.AVAILABLE)
+    if available.get("status") == "True" or status.get("phase") == "Suspended" or not wake:
+        return None
+    try:
+        requested = datetime.fromisoformat(wake)
+    except ValueError:
+        return None
+    requested = requested if requested.tzinfo else requested.replace(tzinfo=UTC)
+    unavailable_since = parse_timestamp(available.get("lastTransitionTime"))
+    if unavailable_since is None or requested < unavailable_since:
+        return None
+    return requested
+
+
 def idle_message(spec: Eagle3TargetSpec) -> str:
     return f"no data requests for {spec.idle.scale_to_zero_after}; resolve() wakes it"
 
@@ -97,11 +117,11 @@ def _deadline(
     after it last became Available, whichever is later. None while it cannot go idle: not serving (loading,
     downloading, failing) or still rolling out or downloading a new revision. A request in flight puts the
     deadline a window from now."""
-    available = _condition(previous, "Available")
+    available = _condition(previous, reasons.AVAILABLE)
     serving_since = parse_timestamp(available.get("lastTransitionTime"))
     if available.get("status") != "True" or serving_since is None or not reports:
         return None
-    if _condition(previous, "Progressing").get("status") == "True":
+    if _condition(previous, reasons.PROGRESSING).get("status") == "True":
         return None
     window = timedelta(seconds=after)
     if any(report.activity.in_flight for report in reports):

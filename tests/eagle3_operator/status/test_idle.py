@@ -1,5 +1,5 @@
 """The idle rules without a cluster: when a served target goes to zero pods, what keeps it awake, what wakes
-it, and how its consumers are counted and written without churn."""
+it, how its consumers are counted and written without churn, and since when a wake is pending."""
 
 from datetime import datetime, timedelta
 from typing import Any
@@ -9,7 +9,12 @@ from eagle3_operator.render.deployment import build_deployment
 from eagle3_operator.render.names import owner_reference
 from eagle3_operator.settings import OperatorConfig
 from eagle3_operator.status.document import compute_status, status_patch
-from eagle3_operator.status.idle import MAX_LISTED_CONSUMERS, MIN_LAST_REQUEST_STEP_S, judge_idle
+from eagle3_operator.status.idle import (
+    MAX_LISTED_CONSUMERS,
+    MIN_LAST_REQUEST_STEP_S,
+    judge_idle,
+    wake_pending_since,
+)
 from eagle3_operator.status.observation import ActivityReport, Failure
 from eagle3_target.protocol import CONSUMER_WINDOW_SECONDS, Activity, ClientActivity
 
@@ -255,3 +260,25 @@ def test_consumers_in_status_change_only_when_the_count_or_a_step_moves():
     first = compute_status(observe(consumers=consumers), {}, T0)
     assert first["consumers"] == consumers
     assert status_patch(first, compute_status(observe(consumers=dict(consumers)), first, T0)) == {}
+
+
+def unavailable(since: datetime, phase: str = "Failed") -> dict[str, Any]:
+    """A computed status whose Available condition has been False since `since`."""
+    stamp = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    available = {"type": "Available", "status": "False", "reason": "Idle", "lastTransitionTime": stamp}
+    return {"phase": phase, "conditions": [available]}
+
+
+def test_a_wake_is_pending_from_its_request_until_the_target_is_available_again():
+    went_idle, woken = T0, T0 + timedelta(minutes=30)
+    assert wake_pending_since(woken.isoformat(), unavailable(went_idle)) == woken
+    assert wake_pending_since(woken.isoformat().replace("+00:00", "Z"), unavailable(went_idle)) == woken
+    # A time without a zone is the API's UTC.
+    assert wake_pending_since(woken.replace(tzinfo=None).isoformat(), unavailable(went_idle)) == woken
+    # The wake recorded when it went idle (older than that) is no wake; Available, suspended: none pending.
+    assert wake_pending_since((went_idle - timedelta(hours=1)).isoformat(), unavailable(went_idle)) is None
+    assert wake_pending_since(woken.isoformat(), served(went_idle)) is None
+    assert wake_pending_since(woken.isoformat(), unavailable(went_idle, "Suspended")) is None
+    # No annotation, or one that holds no time (kubectl annotate ... =now): nothing to count from.
+    assert wake_pending_since(None, unavailable(went_idle)) is None
+    assert wake_pending_since("please", unavailable(went_idle)) is None
