@@ -35,11 +35,28 @@ def _type(schema: dict[str, Any]) -> str:
 
 
 def _limits(schema: dict[str, Any]) -> str:
+    """Bounds in words that tell a list's length from its values': `(exactly 3 items, each 0 to 1024)`."""
     parts = []
-    for key, label in (("minimum", "≥"), ("maximum", "≤"), ("minItems", "items ≥"), ("maxItems", "items ≤")):
-        if key in schema:
-            parts.append(f"{label} {schema[key]}")
-    return ", ".join(parts)
+    count = _range(schema.get("minItems"), schema.get("maxItems"))
+    if count:
+        parts.append(f"{count} items")
+    value = _range(schema.get("minimum"), schema.get("maximum"))
+    if value:
+        parts.append(f"value {value}")
+    each = _range(schema.get("items", {}).get("minimum"), schema.get("items", {}).get("maximum"))
+    if each:
+        parts.append(f"each {each}")
+    return f"({', '.join(parts)})" if parts else ""
+
+
+def _range(low: int | None, high: int | None) -> str:
+    if low is not None and low == high:
+        return f"exactly {low}"
+    if low is not None and high is not None:
+        return f"{low} to {high}"
+    if low is not None:
+        return f"at least {low}"
+    return f"at most {high}" if high is not None else ""
 
 
 def _rows(schema: dict[str, Any], prefix: str, required: set[str]) -> Iterator[str]:
