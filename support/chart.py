@@ -3,7 +3,10 @@ set, the operator's options parsed from the rendered args, and the value sets th
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -85,3 +88,19 @@ def cli_options(args: list[str]) -> dict[str, Any]:
     """Parse the container's args with the operator's real command line (nothing runs)."""
     command = typer.main.get_command(cli.app)
     return command.make_context("eagle3-operator", list(args)).params
+
+
+def notes(values: dict[str, str], namespace: str = "eagle3-system") -> str:
+    """NOTES.txt as `helm install` prints it. `helm template` renders no notes and `helm install` needs a
+    cluster with every CRD the value set uses, so a copy of the chart renders them as a document."""
+    with tempfile.TemporaryDirectory() as scratch:
+        chart = Path(scratch) / CHART.name
+        shutil.copytree(CHART, chart)
+        text = (CHART / "templates" / "NOTES.txt").read_text()
+        wrapper = (
+            f'{{{{- define "notes" }}}}{text}{{{{- end }}}}\nnotes: {{{{ include "notes" . | toJson }}}}\n'
+        )
+        (chart / "templates" / "notes.yaml").write_text(wrapper)
+        show = ("--show-only", "templates/notes.yaml")
+        out = helm("template", "e3", str(chart), "--namespace", namespace, *show, *set_args(values)).stdout
+    return str(yaml.safe_load(out)["notes"])

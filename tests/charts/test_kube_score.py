@@ -60,7 +60,7 @@ def findings(objects: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 
 def example_targets() -> list[tuple[str, Eagle3TargetSpec]]:
     targets = []
-    for path in sorted((REPO / "examples").glob("*.yaml")):
+    for path in sorted((REPO / "examples").rglob("*.yaml")):
         for document in yaml.safe_load_all(path.read_text()):
             if document and document.get("kind") == "Eagle3Target":
                 targets.append((document["metadata"]["name"], Eagle3TargetSpec.parse(document["spec"])))

@@ -28,6 +28,7 @@ from support.chart import (
     VALUE_SETS,
     by_kind,
     cli_options,
+    notes,
     operator_container,
     render,
     set_args,
@@ -272,18 +273,18 @@ def test_one_value_labels_the_pod_monitors_and_the_operators_service_monitor():
     assert not bare["pod_monitor_label"]
 
 
-def test_the_chart_notes_name_files_that_exist(cluster, namespace):
-    """NOTES.txt renders for every value set, and every repository path it names exists."""
-    for values in VALUE_SETS.values():
-        result = cluster.helm(
-            "install", "e3", str(CHART), "--dry-run=client", "-n", namespace, *set_args(values)
-        )
-        notes = result.stdout.split("NOTES:", 1)[1]
-        assert "examples/llama-3.1-8b/" in notes
-        paths = re.findall(r"(?:examples|docs)/[\w./-]+\w/?|README\.md", notes)
-        paths += [f"docs/{page}" for page in re.findall(r"\b(\w+\.md)\b", notes) if page != "README.md"]
-        for path in paths:
-            assert (REPO / path).exists(), path
+@pytest.mark.parametrize("case", sorted(VALUE_SETS))
+def test_the_chart_notes_name_files_that_exist(case):
+    """NOTES.txt renders for every value set and every repository path it names exists."""
+    text = notes(VALUE_SETS[case])
+    assert "kubectl apply -f examples/llama-3.1-8b/" in text
+    paths = re.findall(r"\b(?:examples|docs)/[\w./-]*\w/?|README\.md", text)
+    paths += [f"docs/{page}" for page in re.findall(r"(?<!/)\b(\w+\.md)\b", text) if page != "README.md"]
+    assert len(paths) >= 5
+    missing = [path for path in paths if not (REPO / path).exists()]
+    assert not missing, missing
+    served = "ml-training" in VALUE_SETS[case].get("watchNamespaces", "{ml-training}")
+    assert ("does not serve ml-training" in text) is not served
 
 
 def test_the_prometheus_rule_and_dashboard_are_accepted_by_the_api_server(cluster, namespace):

@@ -74,7 +74,7 @@ def test_user_roles_extend_the_built_in_view_edit_and_admin_roles():
     assert view_rule["verbs"] == ["get", "list", "watch"]
     # Status is the operator's report: no user role writes it.
     assert all("eagle3targets/status" not in rule["resources"] for rule in roles["edit"]["rules"])
-    assert user_roles(render(VALUE_SETS["prometheus namespace, no user roles"])) == {}
+    assert user_roles(render(VALUE_SETS["other prometheus, no user roles"])) == {}
 
 
 def can_i(cluster, account: str, verb: str, resource: str, namespace: str, *extra: str) -> bool:
