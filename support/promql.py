@@ -244,37 +244,36 @@ def read(query: str, series: Mapping[str, frozenset[str]]) -> Reading:
             if node.metric not in series:
                 problems.append(f"metric {node.metric}")
                 return None  # nothing more to say about the labels of a metric that is not there
-            have = series[node.metric]
-            problems.extend(f"label {name} on {node.metric}" for name in node.labels if name not in have)
-            return have
+            exposed = series[node.metric]
+            problems.extend(f"label {name} on {node.metric}" for name in node.labels if name not in exposed)
+            return exposed
         if isinstance(node, Binary):
-            sets = [s for s in map(labels, node.operands) if s is not None]
+            operands = [s for s in map(labels, node.operands) if s is not None]
             for name in node.matching:
-                if not any(name in s for s in sets):
+                if not any(name in s for s in operands):
                     problems.append(f"label {name} in vector matching")
-            return frozenset.intersection(*sets) if sets else None
+            return frozenset.intersection(*operands) if operands else None
         if isinstance(node, Call):
-            sets = [labels(arg) for arg in node.args]
-            vectors = [s for s in sets if s is not None]
-            have = vectors[0] if vectors else None
-            if node.function == "histogram_quantile" and have is not None:
-                if "le" not in have:
+            vectors = [s for s in map(labels, node.args) if s is not None]
+            argument = vectors[0] if vectors else None
+            if node.function == "histogram_quantile" and argument is not None:
+                if "le" not in argument:
                     problems.append("label le (histogram_quantile of no buckets)")
-                return have - {"le"}
-            if node.function == "label_replace" and have is not None:
+                return argument - {"le"}
+            if node.function == "label_replace" and argument is not None:
                 target, source = (_literal(arg) for arg in node.args[1:4:2])
-                if source not in have:
+                if source not in argument:
                     problems.append(f"label {source} (label_replace's source)")
-                return have | {target}
-            return have
-        have = [labels(arg) for arg in node.args][-1]
+                return argument | {target}
+            return argument
+        aggregated = [labels(arg) for arg in node.args][-1]
         grouping = node.grouping or ()
-        if have is None:
+        if aggregated is None:
             return None if node.without else frozenset(grouping)
-        problems.extend(f"label {name} in {node.operator} by" for name in grouping if name not in have)
+        problems.extend(f"label {name} in {node.operator} by" for name in grouping if name not in aggregated)
         if node.grouping is None:
             return frozenset()
-        return have - set(grouping) if node.without else frozenset(grouping)
+        return aggregated - set(grouping) if node.without else frozenset(grouping)
 
     return Reading(labels(parse(query)), problems)
 

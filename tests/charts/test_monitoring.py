@@ -66,13 +66,16 @@ def exposed(metric: MetricWrapperBase, scrape: frozenset[str]) -> dict[str, froz
 def scraped_families() -> dict[str, dict[str, frozenset[str]]]:
     """Every metric of the target server (scraped through its PodMonitor) and of the operator (through the
     chart's ServiceMonitor): its series names and their labels, read from the metrics objects themselves."""
-    metrics = [(m, POD_MONITOR_LABELS) for m in vars(ServerMetrics()).values()]
-    metrics += [(m, SERVICE_MONITOR_LABELS) for m in vars(operator_metrics).values()]
-    return {
-        metric.describe()[0].name: exposed(metric, scrape)
-        for metric, scrape in metrics
-        if isinstance(metric, MetricWrapperBase)
-    }
+    server = ServerMetrics()
+    metrics = [(m, POD_MONITOR_LABELS) for m in vars(server).values() if isinstance(m, MetricWrapperBase)]
+    # Every metric the server's registry serves is among them.
+    assert {m.describe()[0].name for m, _ in metrics} == {f.name for f in server.registry.collect()}
+    metrics += [
+        (m, SERVICE_MONITOR_LABELS)
+        for m in vars(operator_metrics).values()
+        if isinstance(m, MetricWrapperBase)
+    ]
+    return {metric.describe()[0].name: exposed(metric, scrape) for metric, scrape in metrics}
 
 
 def scraped_series() -> dict[str, frozenset[str]]:
@@ -96,7 +99,9 @@ def dashboard_queries() -> list[str]:
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             query = variable["query"]["query"]
-            selector, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query).groups()  # type: ignore[union-attr]
+            variable_query = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
+            assert variable_query, query
+            selector, label = variable_query.groups()
             queries.append(f"max by ({label}) ({selector})")
     return queries
 
@@ -149,6 +154,17 @@ def test_every_alert_names_metrics_and_labels_that_exist_and_the_target():
         reading = read(rule["expr"], series)
         assert not reading.unknown, (rule["alert"], reading.unknown)
         assert reading.labels is not None and {"namespace", "target"} <= reading.labels, rule["alert"]
+
+
+def test_every_documented_query_names_metrics_and_labels_that_exist():
+    """The PromQL examples of the docs (```promql blocks) hold to the same names as the dashboard."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```promql\n(.*?)```", page.read_text(), re.DOTALL)]
+    queries = [q for block in blocks for q in block.split("\n\n") if q.strip()]
+    assert queries
+    series = scraped_series()
+    unknown = {query: names for query in queries if (names := read(query, series).unknown)}
+    assert not unknown, unknown
 
 
 def test_alerts_carry_their_settings_severity_and_runbook():
