@@ -40,6 +40,7 @@ from eagle3_target.engines import ENGINES
 from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
+from support.chart_release import service_account
 from support.cluster import plane
 from support.cluster.access import Cluster
 from support.cluster.processes import terminate
@@ -91,11 +92,7 @@ def install_chart(cluster: Cluster) -> str:
         "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
         "--set", f"watchNamespaces={{{TARGET_NAMESPACE}}}",
     )  # fmt: skip
-    accounts = cluster.kubectl(
-        "get", "serviceaccounts", "-n", OPERATOR_NAMESPACE,
-        "-l", f"app.kubernetes.io/instance={RELEASE}", "-o", "jsonpath={.items[0].metadata.name}",
-    )  # fmt: skip
-    return accounts.stdout.strip()
+    return service_account(cluster, RELEASE, OPERATOR_NAMESPACE)
 
 
 class PodServers:

@@ -1,7 +1,11 @@
 """Train a small EAGLE-3-style draft model against a served target, resolved by name or given by URL.
 
-    python examples/train_draft.py --target llama-8b -n training --steps 200
+    python examples/train_draft.py --target llama31-8b -n ml-training --token-file TOKEN --device cuda
     python examples/train_draft.py --url http://127.0.0.1:8000 --steps 200
+
+By name (--target), the client reads the target's endpoints from its status, follows them as pods come and
+go, and wakes the target if it is idle; a URL is fixed. examples/llama-3.1-8b/train-job.yaml runs this in the
+cluster.
 
 The draft follows EAGLE-3's shape: `fc` fuses the target's three captured layers into one feature, one Llama
 decoder layer reads [token embedding ; feature], a head predicts over the draft vocabulary, and a few
@@ -67,7 +71,8 @@ def ttt_loss(draft: Eagle3Draft, batch: Eagle3TargetBatch, ttt_steps: int) -> tu
     assert batch.target_probs is not None and batch.position_mask is not None  # built with a draft vocab
     ids, probs, mask = batch.input_ids, batch.target_probs, batch.position_mask.squeeze(-1)
     feature = draft.fc(batch.aux_hidden_states.float())
-    total, weights, accuracy = torch.zeros(()), 0.0, torch.zeros(())
+    device = feature.device
+    total, weights, accuracy = torch.zeros((), device=device), 0.0, torch.zeros((), device=device)
     for i in range(ttt_steps):
         feature, logits = draft.step(ids, feature)
         supervised = mask.float()
@@ -140,11 +145,12 @@ class DraftRun:
         lr: float = 3e-3,
         seed: int = 0,
     ) -> DraftRun:
-        """`embeddings` are the target's input embeddings [V, H] (frozen in the draft)."""
+        """`embeddings` are the target's input embeddings [V, H] (frozen in the draft); the draft trains on
+        their device."""
         torch.manual_seed(seed)
         text = SyntheticText.generate(vocab_size, corpus_rows, seq_len, seed)
-        mapping = text.draft_vocab(vocab_size, draft_vocab_size or vocab_size // 2)
-        draft = Eagle3Draft(embeddings, mapping.draft_vocab_size)
+        mapping = text.draft_vocab(vocab_size, draft_vocab_size or vocab_size // 2).to(embeddings.device)
+        draft = Eagle3Draft(embeddings, mapping.draft_vocab_size).to(embeddings.device)
         optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
         return cls(text, mapping, draft, optimizer)
 
@@ -200,7 +206,15 @@ def main(
     url: Annotated[
         list[str] | None, typer.Option(help="Target server URL (repeatable) instead of --target.")
     ] = None,
-    token_file: Annotated[typer.FileText | None, typer.Option(help="Bearer token file.")] = None,
+    token_file: Annotated[
+        typer.FileText | None, typer.Option(help="Bearer token file (the target's spec.auth Secret).")
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="Where the draft trains and the client applies the target's LM head.")
+    ] = "cpu",
+    wait: Annotated[
+        float, typer.Option(help="Seconds to wait for --target to serve (a first download and load).")
+    ] = 300.0,
     steps: int = 200,
     batch_size: int = 4,
     seq_len: int = 32,
@@ -217,7 +231,7 @@ def main(
         raise typer.BadParameter("give exactly one of --target or --url")
     token = token_file.read().strip() if token_file else None
     endpoints: str | list[str] = target if target is not None else (url or [])
-    with TargetClient(endpoints, namespace=namespace, token=token) as client:
+    with TargetClient(endpoints, namespace=namespace, wait=wait, token=token, device=device) as client:
         history = train(
             client,
             steps=steps,

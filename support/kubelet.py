@@ -1,8 +1,9 @@
-"""A kubelet for the test node that runs each pod's server container as a real process, so the operator's
-view of starting, crashing and restarting servers comes from real exits."""
+"""A kubelet for the test node that runs each pod's container as a real process, so the operator's view of
+starting, crashing and restarting servers, and of a download Job's pod completing, comes from real exits."""
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import os
 import shutil
@@ -16,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-from eagle3_operator.constants import SERVER_CONTAINER
 
 from support.cluster import nodes, plane
 from support.cluster.processes import kill_when_parent_dies, terminate
+from support.cluster.waiting import eventually
 from support.server_process import serve_command, status_code
 
 # The kubelet's limits on a termination message read from the log (FallbackToLogsOnError): the last 80 lines,
@@ -32,13 +33,15 @@ BACKGROUND_THREADS = 16
 
 @dataclass
 class _Container:
-    """One pod's server container as the kubelet tracks it."""
+    """One pod's container as the kubelet tracks it."""
 
     pod: str
     uid: str
     ip: str
     spec: dict[str, Any]
     host_paths: dict[str, str]  # mountPath -> directory on this machine
+    env: dict[str, str]  # the container's environment, valueFrom resolved
+    restart_policy: str  # the pod's: Always (a Deployment's pods) or Never/OnFailure (a Job's)
     restarts: int = 0
     process: subprocess.Popen[bytes] | None = None
     started_at: str = ""
@@ -52,14 +55,20 @@ class _Container:
 class Kubelet:
     """Plays the kubelet for the pods bound to the test node KUBELET_NODE in one namespace.
 
-    Each pod's server container runs as a real process with the pod's own command, listening at an IP the
-    kubelet gives the pod from the node's podCIDR. Its state goes to the API server as a kubelet reports it:
-    running and not ready until /readyz answers 200 (the readiness probe), and on exit the termination
-    (exit code, reason Error, the message from the termination log or, under FallbackToLogsOnError, the log
-    tail), restartCount and a waiting CrashLoopBackOff until a restart after exponential back-off. The
-    kubelet mounts a file at terminationMessagePath; here the server is told where that file is instead
-    (EAGLE3_TARGET_TERMINATION_LOG), hostPath volumes are the same directories on this machine, and a
-    disk-backed emptyDir is a fresh directory per pod (paths in args and env values are translated).
+    Each pod's container (server pods and download Job pods have one; init containers are not run) runs as a
+    real process with the pod's own command, at an IP the kubelet gives the pod from the node's podCIDR. Its
+    state goes to the API server as a kubelet reports it: running and not ready until /readyz answers 200
+    (the readiness probe; ready at once without one), and on exit the termination (exit code, reason Error,
+    the message from the termination log or, under FallbackToLogsOnError, the log tail). A Deployment's pod
+    (restartPolicy Always) then gets restartCount and a waiting CrashLoopBackOff until a restart after
+    exponential back-off; a Job's pod ends Succeeded or Failed. The kubelet mounts a file at
+    terminationMessagePath; here the server is told where that file is instead
+    (EAGLE3_TARGET_TERMINATION_LOG). Volumes are directories on this machine: hostPath the same one, a
+    persistentVolumeClaim its bound PersistentVolume's hostPath, a disk-backed emptyDir a fresh directory per
+    pod, and a secret the Secret's keys written as files in a fresh directory per pod, in the kubelet's
+    layout (`..data` links to a timestamped directory, each key links through `..data`, so an update swaps
+    one link). Env values from secretKeyRef are read from the Secret; paths in args and env values are
+    translated.
 
     Like a kubelet, it never waits on one pod: readiness probes (with the pod's own timeoutSeconds) and
     graceful terminations run on a thread pool, and the loop reads their results in later rounds. Servers
@@ -121,26 +130,58 @@ class Kubelet:
 
     def _admit(self, pod: kubernetes.client.V1Pod) -> None:
         raw = self.core.api_client.sanitize_for_serialization(pod)
-        [spec] = [c for c in raw["spec"]["containers"] if c["name"] == SERVER_CONTAINER]
+        [spec] = raw["spec"]["containers"]
         volumes = {v["name"]: v for v in raw["spec"].get("volumes") or []}
         meta = pod.metadata
         assert meta and meta.name and meta.uid, "the API server returns pods whole"
         host_paths = {}
         for mount in spec.get("volumeMounts") or []:
-            volume = volumes.get(mount["name"], {})
-            if "hostPath" in volume:
-                host_paths[mount["mountPath"]] = str(
-                    Path(volume["hostPath"]["path"]) / mount.get("subPath", "")
-                )
-            elif "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
-                # A fresh directory per pod, as the kubelet gives each disk-backed emptyDir; short, since
-                # vLLM binds its IPC sockets in TMPDIR and a socket path holds at most 107 bytes.
-                empty_dir = tempfile.mkdtemp(prefix="e3t-")
-                self._empty_dirs.append(empty_dir)
-                host_paths[mount["mountPath"]] = empty_dir
-        container = _Container(meta.name, meta.uid, self._free_ips.pop(0), spec, host_paths)
+            directory = self._volume_directory(volumes.get(mount["name"], {}))
+            if directory is not None:
+                host_paths[mount["mountPath"]] = str(Path(directory) / mount.get("subPath", ""))
+        env = {
+            e["name"]: e["value"] if "value" in e else self._secret_value(e["valueFrom"]["secretKeyRef"])
+            for e in spec.get("env") or []
+            if "value" in e or "secretKeyRef" in e.get("valueFrom", {})
+        }
+        restart_policy = raw["spec"].get("restartPolicy", "Always")
+        container = _Container(
+            meta.name, meta.uid, self._free_ips.pop(0), spec, host_paths, env, restart_policy
+        )
         self.containers[container.pod] = container
         self._start(container)
+
+    def _volume_directory(self, volume: dict[str, Any]) -> str | None:
+        """The directory on this machine that a pod volume is, or None for one not made here (a
+        memory-backed emptyDir)."""
+        if "hostPath" in volume:
+            return str(volume["hostPath"]["path"])
+        if "persistentVolumeClaim" in volume:
+            claim = self.core.read_namespaced_persistent_volume_claim(
+                volume["persistentVolumeClaim"]["claimName"], self.namespace
+            )
+            assert claim.spec and claim.spec.volume_name, f"claim {claim.metadata.name} is not bound"
+            bound = self.core.read_persistent_volume(claim.spec.volume_name)
+            assert bound.spec and bound.spec.host_path, f"volume {claim.spec.volume_name} is not a hostPath"
+            return str(bound.spec.host_path.path)
+        if "secret" in volume:
+            directory = self._fresh_directory()
+            write_secret_volume(self.core, self.namespace, volume["secret"], Path(directory))
+            return directory
+        if "emptyDir" in volume and volume["emptyDir"].get("medium") != "Memory":
+            # A fresh directory per pod, as the kubelet gives each disk-backed emptyDir; short, since
+            # vLLM binds its IPC sockets in TMPDIR and a socket path holds at most 107 bytes.
+            return self._fresh_directory()
+        return None
+
+    def _fresh_directory(self) -> str:
+        directory = tempfile.mkdtemp(prefix="e3t-")
+        self._empty_dirs.append(directory)
+        return directory
+
+    def _secret_value(self, ref: dict[str, Any]) -> str:
+        data = self.core.read_namespaced_secret(ref["name"], self.namespace).data or {}
+        return base64.b64decode(data[ref["key"]]).decode()
 
     def _start(self, container: _Container) -> None:
         termination = self.log_dir / f"{container.pod}.termination-log"
@@ -151,11 +192,7 @@ class Kubelet:
         argv = [self._host_arg(container, arg) for arg in argv]
         if argv[0] == "eagle3-target":
             argv[:1] = serve_command()
-        env = {
-            e["name"]: self._host_arg(container, e["value"])
-            for e in container.spec.get("env") or []
-            if "value" in e
-        }
+        env = {name: self._host_arg(container, value) for name, value in container.env.items()}
         env |= {"CUDA_VISIBLE_DEVICES": "", "EAGLE3_TARGET_TERMINATION_LOG": str(termination)}
         with log.open("wb") as out:
             container.process = subprocess.Popen(
@@ -204,10 +241,15 @@ class Kubelet:
 
     @staticmethod
     def _readiness(container: _Container) -> bool:
-        """The pod's readinessProbe: a GET of /readyz within its timeoutSeconds (the kubelet's default 1)."""
+        """The pod's readinessProbe: a GET of /readyz within its timeoutSeconds (the kubelet's default 1);
+        without one, a running container is ready."""
+        probe = container.spec.get("readinessProbe")
+        if probe is None:
+            return True
         port = next(p["containerPort"] for p in container.spec.get("ports") or [])
-        timeout = (container.spec.get("readinessProbe") or {}).get("timeoutSeconds", 1)
-        return status_code(f"http://{container.ip}:{port}/readyz", timeout=timeout) == 200
+        return (
+            status_code(f"http://{container.ip}:{port}/readyz", timeout=probe.get("timeoutSeconds", 1)) == 200
+        )
 
     def _terminated(self, container: _Container, code: int) -> None:
         message = (self.log_dir / f"{container.pod}.termination-log").read_text()
@@ -225,15 +267,21 @@ class Kubelet:
         }
         container.ready = False
         container.probe = None  # a probe of the exited process says nothing about the next one
+        if container.restart_policy == "Never" or (container.restart_policy == "OnFailure" and code == 0):
+            container.restart_at = float("inf")  # a Job's pod: it stays as it ended
+            terminated, container.last_terminated = container.last_terminated, None  # no earlier run
+            self._report(container, {"terminated": terminated}, "Succeeded" if code == 0 else "Failed")
+            return
         delay = self.backoff_seconds * 2 ** min(container.restarts, 8)
         container.restart_at = time.monotonic() + delay
-        back_off = f"back-off {delay:g}s restarting failed container={SERVER_CONTAINER} pod={container.pod}"
+        name = container.spec["name"]
+        back_off = f"back-off {delay:g}s restarting failed container={name} pod={container.pod}"
         self._report(container, {"waiting": {"reason": "CrashLoopBackOff", "message": back_off}})
 
-    def _report(self, container: _Container, state: dict[str, Any]) -> None:
+    def _report(self, container: _Container, state: dict[str, Any], phase: str = "Running") -> None:
         ready = "True" if container.ready else "False"
         status = {
-            "phase": "Running",
+            "phase": phase,
             "podIP": container.ip,
             "podIPs": [{"ip": container.ip}],
             "hostIP": plane.NODE_IP,
@@ -245,7 +293,7 @@ class Kubelet:
             + [{"type": "Initialized", "status": "True", "lastTransitionTime": _now()}],
             "containerStatuses": [
                 {
-                    "name": SERVER_CONTAINER,
+                    "name": container.spec["name"],
                     "image": container.spec["image"],
                     "imageID": "",
                     "ready": container.ready,
@@ -281,6 +329,36 @@ class Kubelet:
             return
         stopping = self._pool.submit(terminate, process)
         stopping.add_done_callback(lambda _: self._free_ips.append(container.ip))
+
+
+def write_secret_volume(
+    core: kubernetes.client.CoreV1Api, namespace: str, source: dict[str, Any], directory: Path
+) -> None:
+    """A secret volume (`source`: the pod's `secret` field) written into `directory` as the kubelet writes
+    it: the data in a timestamped directory, `..data` a link to it, and each file a link through `..data`
+    (`items` picks keys and names their files), so an update swaps one link."""
+    data = core.read_namespaced_secret(source["secretName"], namespace).data or {}
+    files = {item["path"]: item["key"] for item in source.get("items") or []} or {key: key for key in data}
+    payload = directory / time.strftime("..%Y_%m_%d_%H_%M_%S.payload", time.gmtime())
+    payload.mkdir()
+    for path, key in files.items():
+        (payload / path).parent.mkdir(parents=True, exist_ok=True)
+        (payload / path).write_bytes(base64.b64decode(data[key]))
+    (directory / "..data").symlink_to(payload.name)
+    for top in {Path(path).parts[0] for path in files}:
+        (directory / top).symlink_to(Path("..data") / top)
+
+
+def register_node(core: kubernetes.client.CoreV1Api) -> str:
+    """Register KUBELET_NODE (once per control plane: a later call finds it) and wait until it is
+    schedulable; returns its name."""
+    try:
+        core.create_node(nodes.kubelet_node())
+    except kubernetes.client.ApiException as error:
+        if error.status != 409:  # registered earlier
+            raise
+    eventually(lambda: nodes.all_schedulable(core.api_client, [nodes.KUBELET_NODE]), "the kubelet's node")
+    return nodes.KUBELET_NODE
 
 
 def _now() -> str:
