@@ -301,6 +301,8 @@ def test_the_chart_notes_name_files_that_exist(case):
     assert not missing, missing
     served = "ml-training" in VALUE_SETS[case].get("watchNamespaces", "{ml-training}")
     assert ("does not serve ml-training" in text) is not served
+    unscraped = case == "dashboard and alerts"  # on without the operator's ServiceMonitor
+    assert ("metrics.serviceMonitor.enabled is\nfalse" in text) is unscraped
 
 
 def test_the_prometheus_rule_and_dashboard_are_accepted_by_the_api_server(cluster, namespace):
