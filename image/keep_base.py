@@ -69,25 +69,26 @@ def engine_pins(requirements: Iterable[str], environment: Mapping[str, str] | No
 
 @dataclass(frozen=True)
 class Split:
-    """What an image installs from a lock on its base, and why it cannot."""
+    """The lock's part an image installs; the clashes that fail its build and the engine's pins kept over
+    ours, each by package name, saying which versions differ."""
 
     rest: str
-    clashes: list[str]
-    kept: list[str]
+    clashes: dict[str, str]
+    kept: dict[str, str]
 
 
 def split(lock: str, ours: Mapping[str, str], installed: Mapping[str, str], owned: set[str]) -> Split:
     """The lock's entries the base lacks; our pins the base has at another version (a local label such as
     +cu130 aside), as clashes, or as kept where the engine owns them."""
     differ = {
-        name: f"{name}: the base has {installed[name]}, pyproject.toml pins {ours[name]}"
+        name: f"the base has {installed[name]}, pyproject.toml pins {ours[name]}"
         for name in sorted(ours)
         if name in installed and installed[name].partition("+")[0] != ours[name]
     }
     return Split(
         rest="\n".join(text for name, _, text in blocks(lock) if name not in installed),
-        clashes=[line for name, line in differ.items() if name not in owned],
-        kept=[line for name, line in differ.items() if name in owned],
+        clashes={name: why for name, why in differ.items() if name not in owned},
+        kept={name: why for name, why in differ.items() if name in owned},
     )
 
 
@@ -113,12 +114,13 @@ def main(argv: list[str]) -> int:
         result = split(lock.read(), pins(optional, args.extras), installed, owned)
     if result.clashes:
         print(
-            "keep_base: the base image disagrees with our pins:\n  " + "\n  ".join(result.clashes),
+            "keep_base: the base image disagrees with our pins:\n  "
+            + "\n  ".join(f"{name}: {why}" for name, why in result.clashes.items()),
             file=sys.stderr,
         )
         return 1
-    for line in result.kept:
-        print(f"keep_base: keeping {args.engine}'s pin, {line}", file=sys.stderr)
+    for name, why in result.kept.items():
+        print(f"keep_base: keeping {args.engine}'s pin, {name}: {why}", file=sys.stderr)
     print(result.rest)
     return 0
 

