@@ -47,6 +47,7 @@ class TokenFile:
         self._problem: str | None = None
 
     def current(self) -> str:
+        """The token in force: the file's, looked at no more than once per `interval_s`."""
         now = time.monotonic()
         if now - self._checked < self.interval_s:
             return self._token
