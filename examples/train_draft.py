@@ -17,6 +17,7 @@ The text is synthetic: Zipf-distributed token ids, unpadded, with the first toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -207,7 +208,8 @@ def main(
         list[str] | None, typer.Option(help="Target server URL (repeatable) instead of --target.")
     ] = None,
     token_file: Annotated[
-        typer.FileText | None, typer.Option(help="Bearer token file (the target's spec.auth Secret).")
+        Path | None,
+        typer.Option(help="Bearer token file (the target's spec.auth Secret); read again if it is rotated."),
     ] = None,
     device: Annotated[
         str, typer.Option(help="Where the draft trains and the client applies the target's LM head.")
@@ -229,9 +231,10 @@ def main(
     """Train a draft and print its loss and top-1 accuracy at the start and the end."""
     if (target is None) == (not url):
         raise typer.BadParameter("give exactly one of --target or --url")
-    token = token_file.read().strip() if token_file else None
     endpoints: str | list[str] = target if target is not None else (url or [])
-    with TargetClient(endpoints, namespace=namespace, wait=wait, token=token, device=device) as client:
+    with TargetClient(
+        endpoints, namespace=namespace, wait=wait, token_file=token_file, device=device
+    ) as client:
         history = train(
             client,
             steps=steps,

@@ -21,6 +21,7 @@ import kubernetes
 from support.cluster import nodes, plane
 from support.cluster.processes import kill_when_parent_dies, terminate
 from support.cluster.waiting import eventually
+from support.secret_volume import SecretVolume
 from support.server_process import serve_command, status_code
 
 # The kubelet's limits on a termination message read from the log (FallbackToLogsOnError): the last 80 lines,
@@ -333,20 +334,14 @@ class Kubelet:
 
 def write_secret_volume(
     core: kubernetes.client.CoreV1Api, namespace: str, source: dict[str, Any], directory: Path
-) -> None:
-    """A secret volume (`source`: the pod's `secret` field) written into `directory` as the kubelet writes
-    it: the data in a timestamped directory, `..data` a link to it, and each file a link through `..data`
-    (`items` picks keys and names their files), so an update swaps one link."""
+) -> SecretVolume:
+    """A secret volume (`source`: the pod's `secret` field; `items` picks keys and names their files) in
+    `directory`, laid out as the kubelet writes it."""
     data = core.read_namespaced_secret(source["secretName"], namespace).data or {}
     files = {item["path"]: item["key"] for item in source.get("items") or []} or {key: key for key in data}
-    payload = directory / time.strftime("..%Y_%m_%d_%H_%M_%S.payload", time.gmtime())
-    payload.mkdir()
-    for path, key in files.items():
-        (payload / path).parent.mkdir(parents=True, exist_ok=True)
-        (payload / path).write_bytes(base64.b64decode(data[key]))
-    (directory / "..data").symlink_to(payload.name)
-    for top in {Path(path).parts[0] for path in files}:
-        (directory / top).symlink_to(Path("..data") / top)
+    return SecretVolume(
+        directory, **{path: base64.b64decode(data[key]).decode() for path, key in files.items()}
+    )
 
 
 def register_node(core: kubernetes.client.CoreV1Api) -> str:
