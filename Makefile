@@ -91,8 +91,8 @@ tools:
 demo-tools:
 	@support/cluster/build-tools.sh demo
 
-# The distribution as a wheel (both packages, every extra), for `pip install "$(DIST)/eagle3_target-...whl[client]"`;
-# built from a clean tree (setuptools would otherwise reuse build/ and keep files since removed).
+# The distribution as a wheel (both packages, every extra): pip install "dist/eagle3_target-...whl[client]".
+# Built from a clean tree (setuptools would otherwise reuse build/ and keep files since removed).
 DIST ?= dist
 wheel: $(UV_STAMP)
 	@rm -rf build && $(UV) build --quiet --python $(PYTHON) --wheel --out-dir $(DIST) . && rm -rf build

@@ -142,7 +142,8 @@ build() {
   echo "$image-$content" > "$refs/$name"
   built+=("$image-$content $push_as")
   # Earlier contents of this image go: with vfs each is a full copy (the target's are several GB).
-  bah images --format '{{.Name}}:{{.Tag}}' | grep -E "^$image-[0-9a-f]{12}-[0-9a-f]{12}\$" | grep -vxF "$image-$content" \
+  bah images --format '{{.Name}}:{{.Tag}}' | grep -E "^$image-[0-9a-f]{12}-[0-9a-f]{12}\$" \
+    | grep -vxF "$image-$content" \
     | xargs -r buildah --root "$store/storage" --runroot "$store/run" --storage-driver vfs rmi >/dev/null || true
 }
 
@@ -161,8 +162,8 @@ target() {
       "${server_inputs[@]}"
   else
     echo "==> $gpu cannot be pulled here: building the CPU variant (HF engine, vLLM's CPU build)"
-    build eagle3-target image/Dockerfile "$(debian_base)" "$version-cpu" "$registry/eagle3-target:$version-cpu" \
-      VLLM_CPU=true -- "${server_inputs[@]}"
+    build eagle3-target image/Dockerfile "$(debian_base)" "$version-cpu" \
+      "$registry/eagle3-target:$version-cpu" VLLM_CPU=true -- "${server_inputs[@]}"
     elsewhere "eagle3-target:$version" "$gpu" image/Dockerfile
   fi
 }
@@ -190,11 +191,12 @@ if [ ${#built[@]} -gt 0 ]; then
   for entry in "${built[@]}"; do
     read -r ref push_as <<<"$entry"
     echo "    $ref $(bah images --format '{{.Size}}' "$ref" | head -1)"
-    echo "      buildah --root $store/storage --runroot $store/run --storage-driver vfs push $ref docker://$push_as"
+    echo "      buildah --root $store/storage --runroot $store/run --storage-driver vfs push $ref" \
+      "docker://$push_as"
   done
 fi
 if [ ${#elsewhere[@]} -gt 0 ]; then
   printf '%s\n' "${elsewhere[@]}"
-  echo "    (a registry other than ghcr.io/eagle3-dev: IMAGE_REGISTRY=... make images prints its commands; set the" \
-    "chart's serverImage and sglangServerImage to the images)"
+  echo "    (IMAGE_REGISTRY=REGISTRY make images prints them for another registry; point the chart's" \
+    "serverImage and sglangServerImage at the images pushed there)"
 fi
