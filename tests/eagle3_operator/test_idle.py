@@ -187,8 +187,9 @@ def test_a_woken_target_that_cannot_load_shows_in_its_wake_and_condition_gauges(
         ("wake", ""): 0,
     }
 
-    # While idle, the spec breaks the server's start; then a wake is asked for (as resolve() asks).
-    targets.patch_spec("insomniac", {"engine": "vllm", "engineArgs": {"no_such_arg": "2"}})
+    # While idle, the spec breaks the server's start (a capture set beyond the model's 8 layers); then a
+    # wake is asked for (as resolve() asks).
+    targets.patch_spec("insomniac", {"captureLayerIds": [1, 3, 4, 8]})
     annotations = {ANNOTATION_WAKE_REQUESTED: datetime.now(UTC).isoformat()}
     targets.custom.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, "insomniac", {"metadata": {"annotations": annotations}}
@@ -214,7 +215,7 @@ def test_a_woken_target_that_cannot_load_shows_in_its_wake_and_condition_gauges(
         "the wake gauge growing while the target cannot load",
     )
 
-    targets.patch_spec("insomniac", {"engine": "hf", "engineArgs": None})
+    targets.patch_spec("insomniac", {"captureLayerIds": None})
     eventually(
         lambda: condition(targets.status("insomniac"), "Available").get("status") == "True",
         "the target Available",
