@@ -158,10 +158,9 @@ class Kubelet:
         if "hostPath" in volume:
             return str(volume["hostPath"]["path"])
         if "persistentVolumeClaim" in volume:
-            claim = self.core.read_namespaced_persistent_volume_claim(
-                volume["persistentVolumeClaim"]["claimName"], self.namespace
-            )
-            assert claim.spec and claim.spec.volume_name, f"claim {claim.metadata.name} is not bound"
+            name = volume["persistentVolumeClaim"]["claimName"]
+            claim = self.core.read_namespaced_persistent_volume_claim(name, self.namespace)
+            assert claim.spec and claim.spec.volume_name, f"claim {name} is not bound"
             bound = self.core.read_persistent_volume(claim.spec.volume_name)
             assert bound.spec and bound.spec.host_path, f"volume {claim.spec.volume_name} is not a hostPath"
             return str(bound.spec.host_path.path)
@@ -348,7 +347,7 @@ def register_node(core: kubernetes.client.CoreV1Api) -> str:
     """Register KUBELET_NODE (once per control plane: a later call finds it) and wait until it is
     schedulable; returns its name."""
     try:
-        core.create_node(nodes.kubelet_node())
+        core.create_node(nodes.kubelet_node())  # type: ignore[arg-type]  # the client sends a dict body as is
     except kubernetes.client.ApiException as error:
         if error.status != 409:  # registered earlier
             raise
