@@ -39,7 +39,7 @@ import kubernetes
 import pytest
 import yaml
 from eagle3_target.hydrate import HYDRATION_MARKER
-from eagle3_target.protocol import PLURAL
+from eagle3_target.protocol import GROUP, PLURAL, VERSION
 from eagle3_target.tiny import write_tiny_model
 
 from support.chart_release import ReleaseOperator
@@ -316,6 +316,24 @@ def test_a_forbidden_call_is_refused_for_real(quickstart: QuickStart):
         check=False,
     )
     assert refused.returncode != 0 and "Forbidden" in refused.stderr
+
+
+def test_the_trainer_lists_and_watches_its_target_alone_as_resolve_does(quickstart: QuickStart):
+    """resolve watches the target with the field selector metadata.name=NAME, which the Role's resourceNames
+    admit; a listing of every target is refused."""
+    trainer = kubernetes.config.new_client_from_config(str(quickstart.trainer_kubeconfig()))
+    custom = kubernetes.client.CustomObjectsApi(trainer)
+    by_name = f"metadata.name={TARGET}"
+    listed = custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, field_selector=by_name)
+    assert [item["metadata"]["name"] for item in listed["items"]] == [TARGET]
+    watch = custom.list_namespaced_custom_object(
+        GROUP, VERSION, NAMESPACE, PLURAL, field_selector=by_name, watch=True, timeout_seconds=1,
+        _preload_content=False,
+    )  # fmt: skip
+    assert watch.status == 200 and TARGET in watch.data.decode()
+    with pytest.raises(kubernetes.client.ApiException) as refused:
+        custom.list_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL)
+    assert refused.value.status == 403
 
 
 def test_the_network_policy_admits_the_trainers_and_prometheus(quickstart: QuickStart):
