@@ -60,7 +60,10 @@ def build_pod_monitor(
     name: str, namespace: str, spec: Eagle3TargetSpec, owner: dict[str, Any], neighbours: Neighbours
 ) -> dict[str, Any] | None:
     """A prometheus-operator PodMonitor on the server's metrics port (no token needed), when asked for;
-    labelled for the Prometheus that should select it (the target's own labels win over the operator's)."""
+    labelled for the Prometheus that should select it (the target's own labels win over the operator's).
+    Every series it scrapes carries a `target` label with the resource's own name (the child name differs
+    for names with dots or over 63 characters), so alerts and dashboards name the target as the operator's
+    own metrics do."""
     monitor = spec.monitoring.pod_monitor
     if not monitor.enabled:
         return None
@@ -73,7 +76,12 @@ def build_pod_monitor(
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
             "podMetricsEndpoints": [
-                {"port": METRICS_PORT_NAME, "path": "/metrics", "interval": monitor.interval}
+                {
+                    "port": METRICS_PORT_NAME,
+                    "path": "/metrics",
+                    "interval": monitor.interval,
+                    "relabelings": [{"action": "replace", "targetLabel": "target", "replacement": name}],
+                }
             ],
         },
     }

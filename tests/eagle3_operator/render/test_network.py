@@ -38,11 +38,23 @@ def test_pod_monitor_when_enabled_and_its_crd_exists():
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"] == {"matchLabels": selector_labels("tiny")}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    relabel = {"action": "replace", "targetLabel": "target", "replacement": "tiny"}
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s", "relabelings": [relabel]}
     assert endpoint["port"] in {p["name"] for p in server_of(spec)["ports"]}
     unsupported = build_children("tiny", "ml", UID, spec, pod_monitor_supported=False)
     assert "PodMonitor" not in {child["kind"] for child in unsupported}
     assert "PodMonitor" not in children(make_spec())
+
+
+def test_pod_monitor_labels_every_series_with_the_targets_own_name_not_its_child_name():
+    """Alerts and dashboards name the target by its resource name, which a child name changes when it has
+    dots (not a DNS label) or is over 63 characters."""
+    spec = make_spec(monitoring={"podMonitor": {"enabled": True}})
+    for name in ("llama-3.1-8b", "x" * 70):
+        monitor = children(spec, name=name)["PodMonitor"]
+        assert monitor["metadata"]["name"] != name
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["relabelings"] == [{"action": "replace", "targetLabel": "target", "replacement": name}]
 
 
 def test_pod_monitor_labels_the_targets_own_over_the_operators_flag_and_the_selecting_ones_over_both():
