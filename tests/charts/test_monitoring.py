@@ -339,4 +339,5 @@ def test_the_prometheus_rule_and_dashboard_are_accepted_by_the_api_server(cluste
         assert refused.returncode != 0 and 'unknown field "spec.groups[0].rules[0].summary"' in refused.stderr
     finally:
         cluster.helm("uninstall", "e3", "-n", namespace, check=False)
-        cluster.kubectl("delete", "crd", "prometheusrules.monitoring.coreos.com", "--wait=false", check=False)
+        # Gone before the next test or a rerun, which would otherwise meet a Terminating CRD.
+        cluster.kubectl("delete", "crd", "prometheusrules.monitoring.coreos.com", "--timeout=60s", check=False)
