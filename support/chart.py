@@ -69,8 +69,17 @@ def set_args(values: dict[str, str]) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
 
 
-def render(values: dict[str, str], namespace: str = "eagle3-system") -> list[dict[str, Any]]:
-    out = helm("template", "e3", str(CHART), "--namespace", namespace, *set_args(values)).stdout
+def render(
+    values: dict[str, str], namespace: str = "eagle3-system", values_file: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The chart rendered with `--set` values and, when given, a values file as a user writes one (its maps
+    merge into the defaults; a null removes a key)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        yaml.safe_dump(values_file or {}, file)
+        file.flush()
+        out = helm(
+            "template", "e3", str(CHART), "--namespace", namespace, "-f", file.name, *set_args(values)
+        ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 

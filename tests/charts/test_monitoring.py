@@ -284,9 +284,51 @@ def test_one_value_labels_the_pod_monitors_and_the_operators_service_monitor():
     # The ServiceMonitor's own labels win over the PodMonitors'.
     (own,) = by_kind(render({**values, "metrics.serviceMonitor.labels.release": "ops"}), "ServiceMonitor")
     assert own["metadata"]["labels"]["release"] == "ops"
-    # No labels: no flag.
-    bare = cli_options(operator_container(render({"targets.podMonitorLabels": "null"}))["args"])
-    assert not bare["pod_monitor_label"]
+
+
+@pytest.mark.parametrize(
+    ("values_file", "values"),
+    [
+        ({"targets": {"podMonitorLabels": {"release": None}}}, {}),
+        ({}, {"targets.podMonitorLabels.release": "null"}),
+        ({}, {"targets.podMonitorLabels": "null"}),
+    ],
+)
+def test_a_null_removes_the_default_pod_monitor_label(values_file, values):
+    """The form values.yaml and the chart's README give: Helm merges maps, so only a null removes the
+    default `release` label (and then no flag is passed)."""
+    args = operator_container(render(values, values_file=values_file))["args"]
+    assert not cli_options(args)["pod_monitor_label"]
+    assert not [arg for arg in args if arg.startswith("--pod-monitor-label")]
+
+
+def test_an_empty_map_keeps_the_default_labels():
+    """Why values.yaml does not offer `{}`: Helm merges it into the defaults, which stay."""
+    values_file = {
+        "targets": {"podMonitorLabels": {}},
+        "prometheusRule": {"enabled": True, "labels": {}},
+    }
+    objects = render({}, values_file=values_file)
+    assert cli_options(operator_container(objects)["args"])["pod_monitor_label"] == [
+        "release=kube-prometheus-stack"
+    ]
+    (rule,) = by_kind(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_a_null_removes_the_default_rule_and_dashboard_labels():
+    values_file = {
+        "prometheusRule": {"enabled": True, "labels": {"release": None}},
+        "grafana": {
+            "dashboard": {"enabled": True, "labels": {"grafana_dashboard": None, "dashboards": "e3"}}
+        },
+    }
+    objects = render({}, values_file=values_file)
+    (rule,) = by_kind(objects, "PrometheusRule")
+    assert "release" not in rule["metadata"]["labels"]
+    (configmap,) = by_kind(objects, "ConfigMap")
+    assert "grafana_dashboard" not in configmap["metadata"]["labels"]
+    assert configmap["metadata"]["labels"]["dashboards"] == "e3"
 
 
 @pytest.mark.parametrize("case", sorted(VALUE_SETS))
@@ -340,4 +382,6 @@ def test_the_prometheus_rule_and_dashboard_are_accepted_by_the_api_server(cluste
     finally:
         cluster.helm("uninstall", "e3", "-n", namespace, check=False)
         # Gone before the next test or a rerun, which would otherwise meet a Terminating CRD.
-        cluster.kubectl("delete", "crd", "prometheusrules.monitoring.coreos.com", "--timeout=60s", check=False)
+        cluster.kubectl(
+            "delete", "crd", "prometheusrules.monitoring.coreos.com", "--timeout=60s", check=False
+        )
