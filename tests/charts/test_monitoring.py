@@ -40,8 +40,8 @@ from support.rendering import UID
 MONITORING = VALUE_SETS["dashboard and alerts"]
 # The labels prometheus-operator gives every series it scrapes through a PodMonitor (job:
 # <namespace>/<PodMonitor name>) and, with service, through a ServiceMonitor.
-POD_MONITOR_LABELS = frozenset({"namespace", "pod", "container", "endpoint", "job", "instance"})
-SERVICE_MONITOR_LABELS = POD_MONITOR_LABELS | {"service"}
+SCRAPE_LABELS = frozenset({"namespace", "pod", "container", "endpoint", "job", "instance"})
+SERVICE_MONITOR_LABELS = SCRAPE_LABELS | {"service"}
 ALERTS = {
     "Eagle3TargetDegraded",
     "Eagle3TargetModelLoadFailed",
@@ -63,11 +63,37 @@ def exposed(metric: MetricWrapperBase, scrape: frozenset[str]) -> dict[str, froz
     return {family.name + suffix: have for suffix, have in suffixes.items()}
 
 
+def target_children(name: str, neighbours: Neighbours) -> list[dict[str, Any]]:
+    """What the operator renders for a target named `name` in ml-training with a NetworkPolicy and a
+    PodMonitor."""
+    spec = Eagle3TargetSpec.parse(
+        {
+            "model": {"name": "m", "source": {"pvc": {"claimName": "weights"}}},
+            "networkPolicy": {"enabled": True},
+            "monitoring": {"podMonitor": {"enabled": True}},
+        }
+    )
+    return build_children(name, "ml-training", UID, spec, pod_monitor_supported=True, neighbours=neighbours)
+
+
+def target_pod_monitor(name: str) -> dict[str, Any]:
+    (monitor,) = by_kind(target_children(name, Neighbours("eagle3-system", "monitoring", {})), "PodMonitor")
+    return monitor
+
+
+def pod_monitor_labels() -> frozenset[str]:
+    """The labels a target server's series carry once scraped: prometheus-operator's and those the
+    operator's PodMonitor adds by relabeling (`target`)."""
+    (endpoint,) = target_pod_monitor("llama31-8b")["spec"]["podMetricsEndpoints"]
+    return SCRAPE_LABELS | {r["targetLabel"] for r in endpoint.get("relabelings", [])}
+
+
 def scraped_families() -> dict[str, dict[str, frozenset[str]]]:
     """Every metric of the target server (scraped through its PodMonitor) and of the operator (through the
     chart's ServiceMonitor): its series names and their labels, read from the metrics objects themselves."""
     server = ServerMetrics()
-    metrics = [(m, POD_MONITOR_LABELS) for m in vars(server).values() if isinstance(m, MetricWrapperBase)]
+    scrape = pod_monitor_labels()
+    metrics = [(m, scrape) for m in vars(server).values() if isinstance(m, MetricWrapperBase)]
     # Every metric the server's registry serves is among them.
     assert {m.describe()[0].name for m, _ in metrics} == {f.name for f in server.registry.collect()}
     metrics += [
@@ -206,7 +232,7 @@ def test_the_load_failure_alert_names_failure_reasons_of_the_ready_condition():
     [
         ("rate(eagle3_request_total[5m])", ["metric eagle3_request_total"]),
         ('sum(eagle3_queue_depth{model="x"})', ["label model on eagle3_queue_depth"]),
-        ("sum by (target) (eagle3_queue_depth)", ["label target in sum by"]),
+        ("sum by (route) (eagle3_queue_depth)", ["label route in sum by"]),
         (
             "histogram_quantile(0.9, sum by (route) (rate(eagle3_request_duration_seconds_bucket[5m])))",
             ["label le (histogram_quantile of no buckets)"],
@@ -240,16 +266,7 @@ def test_default_values_let_prometheus_scrape_a_target_behind_its_network_policy
     neighbours = Neighbours(
         "eagle3-system", options["prometheus_namespace"], parse_labels(options["pod_monitor_label"] or [])
     )
-    spec = Eagle3TargetSpec.parse(
-        {
-            "model": {"name": "m", "source": {"pvc": {"claimName": "weights"}}},
-            "networkPolicy": {"enabled": True},
-            "monitoring": {"podMonitor": {"enabled": True}},
-        }
-    )
-    children = build_children(
-        "llama31-8b", "ml-training", UID, spec, pod_monitor_supported=True, neighbours=neighbours
-    )
+    children = target_children("llama31-8b", neighbours)
     (policy,) = by_kind(children, "NetworkPolicy")
     (metrics_rule,) = [
         rule
@@ -261,9 +278,21 @@ def test_default_values_let_prometheus_scrape_a_target_behind_its_network_policy
     assert expression["values"] == ["monitoring"]
     (monitor,) = by_kind(children, "PodMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    # The alerts and the dashboard find a target's server series by job, which prometheus-operator sets to
-    # the PodMonitor's namespace/name: the target's.
-    assert (monitor["metadata"]["namespace"], monitor["metadata"]["name"]) == ("ml-training", "llama31-8b")
+
+
+@pytest.mark.parametrize("name", ["llama31-8b", "llama-3.1-8b", "a" * 70])
+def test_server_series_carry_the_targets_own_name(name):
+    """The alerts and the dashboard find a target's server series by their `target` label, which the
+    PodMonitor sets to the resource's name: its own name (and so prometheus-operator's job,
+    <namespace>/<PodMonitor name>) differs for dotted or long names."""
+    monitor = target_pod_monitor(name)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert {"action": "replace", "targetLabel": "target", "replacement": name} in endpoint["relabelings"]
+    assert monitor["metadata"]["namespace"] == "ml-training"
+    assert (monitor["metadata"]["name"] == name) is (name == "llama31-8b")
+    # Neither reads job.
+    rule_queries = [r["expr"] for r in alerting_rules(MONITORING)]
+    assert not [q for q in [*dashboard_queries(), *rule_queries] if "job" in q]
 
 
 def test_one_value_labels_the_pod_monitors_and_the_operators_service_monitor():
