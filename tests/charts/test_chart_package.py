@@ -81,6 +81,15 @@ BAD_VALUES = {
         "at '/prometheusRule/runbookBaseUrl'",
     ),
     "rule labels": ({"prometheusRule.labels": "release"}, "at '/prometheusRule/labels'"),
+    # A Kubernetes label name, not a Prometheus one (letters, digits and underscores).
+    "alert label with a dash": (
+        {"prometheusRule.alertLabels.team-name": "ml"},
+        "invalid propertyName 'team-name'",
+    ),
+    "alert label with a prefix": (
+        {"prometheusRule.alertLabels.example\\.com/team": "ml"},
+        "invalid propertyName 'example.com/team'",
+    ),
 }
 
 

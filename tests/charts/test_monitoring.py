@@ -28,6 +28,7 @@ from support.chart import (
     VALUE_SETS,
     by_kind,
     cli_options,
+    helm,
     notes,
     operator_container,
     render,
@@ -210,6 +211,22 @@ def test_alerts_carry_their_settings_severity_and_runbook():
     (rule,) = by_kind(render({"prometheusRule.enabled": "true"}), "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert not by_kind(render({}), "PrometheusRule")
+
+
+def test_alert_labels_win_over_the_severity_without_a_second_key():
+    """A `severity` among alertLabels replaces each alert's own (a YAML loader would quietly keep the last of
+    two keys, so the rendered text is read); a Prometheus label name Kubernetes would refuse is accepted."""
+    values = {
+        "prometheusRule.enabled": "true",
+        "prometheusRule.alertLabels.severity": "page",
+        "prometheusRule.alertLabels._team": "ml",
+    }
+    text = helm(
+        "template", "e3", str(CHART), "--show-only", "templates/prometheusrule.yaml", *set_args(values)
+    ).stdout
+    assert len(re.findall(r"^\s+severity:", text, re.MULTILINE)) == len(ALERTS)
+    for rule in alerting_rules(values):
+        assert rule["labels"] == {"severity": "page", "_team": "ml"}, rule["alert"]
 
 
 def test_each_runbook_url_has_its_section_in_the_troubleshooting_page():
