@@ -104,7 +104,8 @@ class ServerSettings(BaseSettings):
     auth_token_file: Path | None = Field(
         None,
         description="Require the bearer token in this file on the data routes (default: none, all open); "
-        "read again within a second of a change, so a rotated Secret needs no restart.",
+        "read again within a second of a change, so a rotated Secret needs no restart (the previous token "
+        "stays accepted for 3 minutes).",
     )
     trust_remote_code: bool = Field(False, description="Let transformers run the model repository's code.")
     model_name: str | None = Field(None, description="Name in /v1/info (default: the --model path).")
