@@ -381,7 +381,12 @@ def test_a_null_removes_the_default_rule_and_dashboard_labels():
 def test_the_chart_notes_name_files_that_exist(case):
     """NOTES.txt renders for every value set and every repository path it names exists."""
     text = notes(VALUE_SETS[case])
-    assert "kubectl apply -f examples/llama-3.1-8b/" in text
+    # The README's quick-start commands, all of them and in their order (the Secrets and the training
+    # script's ConfigMap before the apply that starts the target and the Job).
+    readme = (REPO / "README.md").read_text()
+    (block,) = re.findall(r"<!-- quick start.*?```bash\n(.*?)```", readme, re.DOTALL)
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  kubectl ")]
+    assert commands == block.strip().splitlines()
     paths = re.findall(r"\b(?:examples|docs)/[\w./-]*\w/?|README\.md", text)
     paths += [f"docs/{page}" for page in re.findall(r"(?<!/)\b(\w+\.md)\b", text) if page != "README.md"]
     assert len(paths) >= 5
