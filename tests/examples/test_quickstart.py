@@ -1,9 +1,10 @@
 """The GPU quick start (examples/llama-3.1-8b/, examples/helm-values.yaml) applied as a user applies it, on
-the local control plane: the namespace and `helm install` with the example values, then the README's
-quick-start commands as written (the Secrets, the trainer's ConfigMap, `kubectl apply` of the directory,
-`kubectl wait` for Ready, `kubectl get`); then the training Job's own command, authenticated as the Job's
-ServiceAccount, resolves the target by name and trains against it, and that ServiceAccount may do nothing
-else.
+the local control plane: the README's Install commands (the namespace, `helm install` with the example
+values) without their `--set` image flags, which name the user's registry, then the README's quick-start
+commands as written (the Secrets, with HF_TOKEN set, the trainer's ConfigMap, `kubectl apply` of the
+directory, `kubectl wait` for Ready, `kubectl get`); then the training Job's own command, authenticated as
+the Job's ServiceAccount, resolves the target by name and trains against it, and that ServiceAccount may do
+nothing else.
 
 What differs from a GPU cluster, made in memory by `applied_manifests` (target.yaml only; no other file is
 changed):
@@ -28,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,23 +57,43 @@ TARGET = "llama31-8b"
 TINY_REPO = "eagle3-tests/tiny-llama"
 STEPS = 6
 # The README's quick start: the commands between these markers run as they are written (bash, in the
-# repository's root), except APPLY, which the test runs with its substitutions. Before them, as the README's
-# Install section says: the namespace the chart's Role goes into, then the chart (without the registry).
+# repository's root), except APPLY, which the test runs with its substitutions. Before them, the README's
+# Install block that runs `helm install`, without its --set flags (they name the user's registry).
 BEGIN = "<!-- quick start: applied by tests/examples/test_quickstart.py -->"
 END = "<!-- end of quick start -->"
 APPLY = "kubectl apply -f examples/llama-3.1-8b/"
-BEFORE = (
-    "kubectl apply -f examples/llama-3.1-8b/namespace.yaml",
-    f"helm install {RELEASE} charts/eagle3-operator --namespace {OPERATOR_NAMESPACE} --create-namespace"
-    " -f examples/helm-values.yaml",
-)
+# A README command's limit: `kubectl wait` covers the download Job, the operator and a 32-layer model's start
+# on a loaded CI machine.
+COMMAND_TIMEOUT = 300
+
+
+def bash_commands(block: str) -> list[str]:
+    """The commands of a fenced bash block: continuation lines joined, comments and blank lines dropped."""
+    assert block.startswith("```bash\n") and block.endswith("\n```"), block
+    joined = block.removeprefix("```bash\n").removesuffix("\n```").replace("\\\n", " ")
+    return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def readme_commands() -> list[str]:
     text = (REPO / "README.md").read_text()
-    block = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
-    assert block.startswith("```bash\n") and block.endswith("\n```"), block
-    return [line for line in block.splitlines()[1:-1] if line.strip() and not line.startswith("#")]
+    return bash_commands(text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip())
+
+
+def install_commands() -> list[str]:
+    """The README's Install block with `helm install`, each command without its `--set NAME=VALUE` flags."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("\n## Install\n") :]
+    section = section[: section.index("\n## ", 1)]
+    (block,) = [b for b in re.findall(r"```bash\n.*?\n```", section, re.S) if "helm install " in b]
+    commands = []
+    for command in bash_commands(block):
+        words = shlex.split(command)
+        while "--set" in words:
+            at = words.index("--set")
+            del words[at : at + 2]
+        commands.append(shlex.join(words))
+    assert any(c.startswith(f"helm install {RELEASE} charts/eagle3-operator") for c in commands), commands
+    return commands
 
 
 @dataclass
@@ -97,13 +119,28 @@ class QuickStart:
                 "HF_TOKEN": "hf_not-used-here",
             }
         )
-        done = subprocess.run(
-            ["bash", "-c", command], cwd=REPO, env=environment, capture_output=True, text=True, timeout=150
-        )
+        try:
+            done = subprocess.run(
+                ["bash", "-c", command],
+                cwd=REPO,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired as expired:
+            raise AssertionError(
+                f"{command} ran past {COMMAND_TIMEOUT}s:\n{self.target_state()}"
+            ) from expired
         if done.returncode != 0:
-            target = self.kubectl("get", "e3t", "-n", NAMESPACE, "-o", "yaml", check=False).stdout
-            raise AssertionError(f"{command} exited {done.returncode}:\n{done.stderr}\n{target}")
+            raise AssertionError(f"{command} exited {done.returncode}:\n{done.stderr}\n{self.target_state()}")
         self.outputs[command] = done.stdout
+
+    def target_state(self) -> str:
+        """The target and its pods and Jobs as the cluster has them: what a failed command leaves to read."""
+        target = self.kubectl("get", "e3t", "-n", NAMESPACE, "-o", "yaml", check=False).stdout
+        workloads = self.kubectl("get", "pods,jobs", "-n", NAMESPACE, "-o", "wide", check=False).stdout
+        return f"{target}\n{workloads}"
 
     def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl(*args, check=check)
@@ -178,7 +215,7 @@ def quickstart(cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFac
     operator: ReleaseOperator | None = None
     kubelet: Kubelet | None = None
     try:
-        for command in BEFORE:
+        for command in install_commands():
             state.run(command)
         operator = ReleaseOperator(cluster, RELEASE, OPERATOR_NAMESPACE, work)
         operator.start()
@@ -372,3 +409,21 @@ def test_every_other_example_passes_a_server_side_dry_run(cluster: Cluster, crd:
         "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects)
     )
     assert "deployment.apps/eagle3-operator created (server dry run)" in applied.stdout
+
+
+def test_the_training_job_meets_the_restricted_pod_security_standard(cluster: Cluster, namespace: str):
+    """docs/security.md suggests enforcing `restricted` on the namespace: the API server's PodSecurity
+    admission finds nothing in the Job's pod template, and does find the Job without its securityContexts
+    (the check is live)."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/warn=restricted")
+    (job,) = yaml.safe_load_all((EXAMPLE / "train-job.yaml").read_text())
+    job["metadata"]["namespace"] = namespace
+
+    def admission_warnings(document: object) -> str:
+        applied = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(document))
+        return applied.stderr
+
+    assert "would violate PodSecurity" not in admission_warnings(job)
+    pod = job["spec"]["template"]["spec"]
+    del pod["securityContext"], pod["containers"][0]["securityContext"]
+    assert 'would violate PodSecurity "restricted' in admission_warnings(job)
