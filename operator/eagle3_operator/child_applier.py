@@ -154,9 +154,18 @@ class ChildApplier:
             if current is not None and current.job is not None and _rerendered(manifest, current):
                 # A Job's pod template cannot change, and its name leaves out how it downloads (a mirror,
                 # a proxy, its resources: render/hydration.py). A completed download stands; one still
-                # running or failed is replaced (the next pass creates it; files already there are kept).
-                if not current.job.complete:
-                    await self._api.delete(current.api_version, "Job", namespace, current.name, current.uid)
+                # running or failed is replaced: deleted pods first (Foreground), so no old pod still
+                # writes into the cache beside the new one; the pass after the Job has gone (its deletion
+                # event) creates the new one. Files already there are kept.
+                if not current.job.complete and not current.deleting:
+                    await self._api.delete(
+                        current.api_version,
+                        "Job",
+                        namespace,
+                        current.name,
+                        current.uid,
+                        propagation="Foreground",
+                    )
                     writes.applied.pop(child_key, None)
                 continue
             result = await self._api.apply(manifest)

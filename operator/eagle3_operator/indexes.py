@@ -48,6 +48,7 @@ class ChildState:
     essence: Mapping[str, Any]  # metadata labels/annotations/ownerReferences and spec: what drift compares
     deployment: DeploymentView | None = None
     job: JobView | None = None
+    deleting: bool = False  # a deletion has begun (deletionTimestamp): it waits on finalizers or dependents
 
 
 def controlling_target(metadata: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -74,6 +75,7 @@ def child_state(body: Mapping[str, Any], owner_uid: str) -> ChildState:
         essence=copy.deepcopy(essence(body)),
         deployment=deployment_view(body) if body["kind"] == "Deployment" else None,
         job=job_view(body) if body["kind"] == "Job" else None,
+        deleting=bool(metadata.get("deletionTimestamp")),
     )
 
 

@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 import aiohttp
@@ -99,14 +99,24 @@ class KubeApi:
                 return None
             raise
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str) -> None:
-        """Delete one child, only if it is still the object observed (uid precondition); gone is fine."""
-        # Background: the dependents go too (a Job's pods would otherwise be orphaned, its API's default).
+    async def delete(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        uid: str,
+        *,
+        propagation: Literal["Background", "Foreground"] = "Background",
+    ) -> None:
+        """Delete one child, only if it is still the object observed (uid precondition); gone is fine.
+        Its dependents go too (a Job's pods would otherwise be orphaned, its API's default): after it
+        (Background), or before it (Foreground: the object stays, being deleted, until they are gone)."""
         body = {
             "apiVersion": "v1",
             "kind": "DeleteOptions",
             "preconditions": {"uid": uid},
-            "propagationPolicy": "Background",
+            "propagationPolicy": propagation,
         }
         try:
             await self._request("DELETE", object_path(api_version, kind, namespace, name), [], body)

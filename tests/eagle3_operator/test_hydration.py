@@ -199,17 +199,37 @@ def test_a_mirror_and_resources_reach_the_download_without_a_new_download(target
     assert container.resources.limits == {"memory": "8Gi", "ephemeral-storage": "2Gi"}
     eventually(lambda: targets.status_with_reason("mirrored", "Unschedulable"), "the stuck download reported")
 
-    # Not completed (no claim yet): the Job is replaced under the same name to take the new mirror.
+    # Not completed (no claim yet): the Job is replaced under the same name to take the new mirror, once
+    # its pod has gone (a pod held here by a finalizer stands for one still writing into the cache).
+    (old_pod,) = eventually(lambda: hydration_pods(targets), "the stuck download's pod")
+    hold = [{"op": "add", "path": "/metadata/finalizers", "value": ["eagle3.dev/test-hold"]}]
+    targets.core.patch_namespaced_pod(old_pod.metadata.name, targets.namespace, hold)
     mirror[0]["value"] = "http://other-mirror.example"
     source = {"huggingFace": {"repo": "org/tiny-llama", "cacheClaimName": "mirror-cache", "env": mirror}}
     targets.patch_spec("mirrored", {"model": {"source": source}})
+
+    def being_deleted() -> kubernetes.client.V1Job | None:
+        (held,) = hydration_jobs(targets)
+        return held if held.metadata.deletion_timestamp else None
+
+    held = eventually(being_deleted, "the stuck download's Job being deleted")
+    assert held.metadata.uid == job.metadata.uid and "foregroundDeletion" in held.metadata.finalizers
+    # Foreground: its pod goes first, and the Job stays while the pod does, so no new one is made beside it.
+    pod = targets.core.read_namespaced_pod
+    eventually(
+        lambda: pod(old_pod.metadata.name, targets.namespace).metadata.deletion_timestamp, "pod deleted"
+    )
+    assert [j.metadata.uid for j in hydration_jobs(targets)] == [job.metadata.uid]
+    release = [{"op": "remove", "path": "/metadata/finalizers"}]
+    targets.core.patch_namespaced_pod(old_pod.metadata.name, targets.namespace, release)
 
     def replaced() -> kubernetes.client.V1Job | None:
         jobs = [j for j in hydration_jobs(targets) if j.metadata.uid != job.metadata.uid]
         return jobs[0] if jobs else None
 
-    new_job = eventually(replaced, "the stuck download's Job replaced")
+    new_job = eventually(replaced, "the stuck download's Job replaced once its pod had gone")
     assert new_job.metadata.name == job.metadata.name
+    assert old_pod.metadata.uid not in {pod.metadata.uid for pod in hydration_pods(targets)}
     assert new_job.spec.template.spec.containers[0].env[-2].value == "http://other-mirror.example"
 
     volume = bind_claim(targets, "mirror-cache")
