@@ -19,13 +19,12 @@ import pytest
 from eagle3_operator.settings import OperatorConfig
 from eagle3_target.client import ResolveTimeout, TargetAccessForbidden, resolve
 from eagle3_target.protocol import ANNOTATION_WAKE_REQUESTED, CLIENT_HEADER, GROUP, PLURAL, VERSION
-from prometheus_client.parser import text_string_to_metric_families
 
 from support.cluster.access import Cluster
 from support.cluster.waiting import LOOPBACK, eventually
 from support.kubelet import Kubelet
 from support.operator_process import OperatorProcess
-from support.supervision import supervise, token_batch
+from support.supervision import metric_samples, supervise, token_batch
 from support.targets import Targets, condition, kubelet_target_manifest
 
 # This module's operator probes at its own default period: the idle clock must hold with reports that old.
@@ -153,16 +152,15 @@ def test_resolve_wakes_an_idle_target_unless_told_not_to_or_not_allowed(
 def target_gauges(operator: OperatorProcess, namespace: str, name: str) -> dict[tuple[str, str], float]:
     """The operator's per-target series of one target: (condition, reason) -> value, ("wake", "") -> the
     wake gauge."""
-    text = httpx.get(f"http://{LOOPBACK}:{operator.metrics_port}/metrics", timeout=5).text
     found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (sample.labels.get("namespace"), sample.labels.get("target")) != (namespace, name):
-                continue
-            if sample.name == "eagle3_operator_target_condition":
-                found[sample.labels["condition"], sample.labels["reason"]] = sample.value
-            elif sample.name == "eagle3_operator_target_wake_pending_seconds":
-                found["wake", ""] = sample.value
+    for (metric, label_items), value in metric_samples(f"http://{LOOPBACK}:{operator.metrics_port}").items():
+        labels = dict(label_items)
+        if (labels.get("namespace"), labels.get("target")) != (namespace, name):
+            continue
+        if metric == "eagle3_operator_target_condition":
+            found[labels["condition"], labels["reason"]] = value
+        elif metric == "eagle3_operator_target_wake_pending_seconds":
+            found["wake", ""] = value
     return found
 
 
