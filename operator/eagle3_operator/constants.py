@@ -83,8 +83,10 @@ OPERATOR_ENV = frozenset(
     }
 )
 # Environment of the hydration Job's download that only the operator sets: the Hub token (from the source's
-# tokenSecretRef), the cache location, the Hub switch, and (by OPERATOR_ENV_PREFIX) the CLI's own settings.
-HYDRATION_ENV = frozenset({"HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE"})
+# tokenSecretRef), the cache location, the Hub switch, HOME and TMPDIR (the scratch volume: elsewhere the
+# download cannot write under a read-only root), and (by OPERATOR_ENV_PREFIX) the CLI's own settings.
+# HF_HUB_DISABLE_TELEMETRY stays the author's: turned back on it only pings the Hub, carrying no credential.
+HYDRATION_ENV = frozenset({"HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "HOME", "TMPDIR"})
 # Pod label keys the operator sets: two select the pods (a Deployment's selector is immutable), the managed-by
 # label is what the operator's pod watch selects on.
 OPERATOR_LABEL_KEYS = (LABEL_NAME, LABEL_INSTANCE, LABEL_COMPONENT, LABEL_MANAGED_BY)

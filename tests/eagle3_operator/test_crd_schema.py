@@ -332,7 +332,15 @@ BAD_SPECS = {
         with_model(
             {"huggingFace": {**HF["huggingFace"], "env": [{"name": "EAGLE3_TARGET_X", "value": "1"}]}}
         ),
-        "HF_HOME, HF_HUB_OFFLINE or EAGLE3_TARGET_*: the operator sets them",
+        "HF_HOME, HF_HUB_OFFLINE, HOME, TMPDIR or EAGLE3_TARGET_*: the operator sets them",
+    ),
+    "home off the scratch volume in the download's env": (
+        with_model({"huggingFace": {**HF["huggingFace"], "env": [{"name": "HOME", "value": "/root"}]}}),
+        "HF_HOME, HF_HUB_OFFLINE, HOME, TMPDIR or EAGLE3_TARGET_*: the operator sets them",
+    ),
+    "temporary directory off the scratch volume in the download's env": (
+        with_model({"huggingFace": {**HF["huggingFace"], "env": [{"name": "TMPDIR", "value": "/tmp"}]}}),
+        "HF_HOME, HF_HUB_OFFLINE, HOME, TMPDIR or EAGLE3_TARGET_*: the operator sets them",
     ),
     "gpu for the download": (
         with_model({"huggingFace": {**HF["huggingFace"], "resources": {"limits": {"nvidia.com/gpu": 1}}}}),

@@ -127,7 +127,7 @@ def test_the_sources_env_follows_the_operators_and_replaces_a_default_it_names()
     names = [var["name"] for var in download["env"]]
     assert names[-3:] == ["HF_ENDPOINT", "HTTPS_PROXY", "HF_HUB_DISABLE_TELEMETRY"]
     assert names.count("HF_HUB_DISABLE_TELEMETRY") == 1  # an env list is keyed by name
-    assert {"HF_HOME", "HF_TOKEN"} <= set(names[:-3])
+    assert {"HF_HOME", "HF_TOKEN", "HOME", "TMPDIR"} <= set(names[:-3])
     assert download["env"][-2] == env[1]
     assert all(var["name"] != "HF_ENDPOINT" for var in server_of(make_spec(source))["env"])
 
