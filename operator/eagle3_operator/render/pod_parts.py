@@ -4,6 +4,8 @@ may run on and the secrets they pull the image with. One definition keeps the tw
 
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from eagle3_operator.constants import SCRATCH_MOUNT
 from eagle3_operator.spec import Eagle3TargetSpec
 
@@ -11,6 +13,7 @@ from eagle3_operator.spec import Eagle3TargetSpec
 # holds for custom images; fsGroup makes a download cache PVC writable for that user.
 RUN_AS_USER = 10001
 RUN_AS_GROUP = 0
+EPHEMERAL_STORAGE = "ephemeral-storage"
 
 
 def container_security() -> dict[str, Any]:
@@ -35,10 +38,17 @@ SCRATCH_ENV: list[dict[str, Any]] = [
 
 def with_ephemeral_storage(resources: dict[str, Any], request: str, limit: str) -> dict[str, Any]:
     """RESOURCES with an ephemeral-storage request and limit (the scratch emptyDir and the container's logs
-    count against it, so a runaway cache evicts this pod, not its node's neighbours) unless already set."""
-    requests = {"ephemeral-storage": request, **resources.get("requests", {})}
-    limits = {"ephemeral-storage": limit, **resources.get("limits", {})}
-    return {**resources, "requests": requests, "limits": limits}
+    count against it, so a runaway cache evicts this pod, not its node's neighbours) unless already set.
+    A default that would cross the value set beside it (a limit below the request makes the pod invalid) is
+    left out: a request alone is then unbounded, and a limit alone is its own request."""
+    requests, limits = dict(resources.get("requests", {})), dict(resources.get("limits", {}))
+    own_request, own_limit = requests.get(EPHEMERAL_STORAGE), limits.get(EPHEMERAL_STORAGE)
+    if own_limit is None and (own_request is None or parse_quantity(own_request) <= parse_quantity(limit)):
+        limits = {EPHEMERAL_STORAGE: limit, **limits}
+    if own_request is None and (own_limit is None or parse_quantity(own_limit) >= parse_quantity(request)):
+        requests = {EPHEMERAL_STORAGE: request, **requests}
+    bounds = {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+    return {**resources, **bounds}
 
 
 def pod_security(spec: Eagle3TargetSpec) -> dict[str, Any]:

@@ -54,7 +54,8 @@ def test_pod_monitor_labels_every_series_with_the_targets_own_name_not_its_child
         monitor = children(spec, name=name)["PodMonitor"]
         assert monitor["metadata"]["name"] != name
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-        assert endpoint["relabelings"] == [{"action": "replace", "targetLabel": "target", "replacement": name}]
+        relabel = {"action": "replace", "targetLabel": "target", "replacement": name}
+        assert endpoint["relabelings"] == [relabel]
 
 
 def test_pod_monitor_labels_the_targets_own_over_the_operators_flag_and_the_selecting_ones_over_both():

@@ -4,6 +4,8 @@ the platform decides, and the same placement and pull secrets."""
 import re
 from pathlib import Path
 
+from eagle3_operator.render.pod_parts import with_ephemeral_storage
+
 from support.rendering import (
     HF_SOURCE,
     job_of,
@@ -60,3 +62,20 @@ def test_the_download_runs_where_the_targets_pods_may_and_pulls_like_them():
     # The server's GPU runtime and priority are the server's: the download needs neither.
     assert "runtimeClassName" not in job_pod and "priorityClassName" not in job_pod
     assert "nvidia.com/gpu" not in str(job_pod["containers"][0]["resources"])  # no GPU for a download
+
+
+def test_ephemeral_storage_defaults_never_cross_the_value_set_beside_them():
+    """A default limit under the request set (or a default request over the limit set) would make the pod
+    invalid: it is left out, so a large download's request is unbounded and a small limit is its own
+    request."""
+    big = with_ephemeral_storage({"requests": {"ephemeral-storage": "50Gi", "cpu": "1"}}, "256Mi", "2Gi")
+    assert big == {"requests": {"ephemeral-storage": "50Gi", "cpu": "1"}}
+    small = with_ephemeral_storage({"limits": {"ephemeral-storage": "100Mi"}}, "256Mi", "2Gi")
+    assert small == {"limits": {"ephemeral-storage": "100Mi"}}
+    within = with_ephemeral_storage({"requests": {"ephemeral-storage": "1Gi"}}, "256Mi", "2Gi")
+    assert within == {"requests": {"ephemeral-storage": "1Gi"}, "limits": {"ephemeral-storage": "2Gi"}}
+    source = {
+        "huggingFace": {**HF_SOURCE["huggingFace"], "resources": {"requests": {"ephemeral-storage": "40Gi"}}}
+    }
+    (download,) = job_of(make_spec(source))["spec"]["template"]["spec"]["containers"]
+    assert download["resources"] == {"requests": {"ephemeral-storage": "40Gi"}}
