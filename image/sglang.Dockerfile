@@ -31,6 +31,10 @@ RUN python3 -m venv /tmp/uv && /tmp/uv/bin/pip install --quiet --no-deps --requi
         --no-deps --require-hashes -r /tmp/rest.txt \
     && /tmp/uv/bin/uv pip install --python "$(command -v python3)" --break-system-packages --no-deps . \
     && rm -rf /src /tmp/uv /tmp/rest.txt
+# The base's torch and transformers are not the ones the extras pin: import what `serve` runs (its command
+# line, the server, the SGLang runner; sglang itself is imported when a model loads, so no GPU is needed
+# here), so a base that breaks our code fails the build instead of the first pod.
+RUN python3 -c "import eagle3_target.cli, eagle3_target.server.app, eagle3_target.runners.sglang"
 
 RUN useradd --uid 10001 --gid 0 --create-home --home-dir /home/eagle3 eagle3 \
     && chmod -R g=u /home/eagle3

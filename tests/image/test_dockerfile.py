@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -21,6 +22,7 @@ from eagle3_target.server.settings import ENV_PREFIX, ServerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "image" / "Dockerfile"
+SGLANG_DOCKERFILE = ROOT / "image" / "sglang.Dockerfile"
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -205,3 +207,26 @@ def test_keep_base_leaves_what_the_bases_engine_pins_exactly_to_the_engine(tmp_p
         in kept.stderr
     )
     assert "not-installed-anywhere==1.2.3" in kept.stdout
+
+
+def test_the_sglang_image_fails_its_build_where_our_code_does_not_import():
+    """SGLang's base brings its own torch and transformers: the build imports what `serve` runs after the
+    install. The same command imports in .venv-sglang (SGLang's release installed) with no GPU visible, so
+    it names real modules and needs no device at build time."""
+    runs = [args for keyword, args in instructions(SGLANG_DOCKERFILE.read_text()) if keyword == "RUN"]
+    install = next(i for i, run in enumerate(runs) if "keep_base.py" in run)
+    (check,) = [run for run in runs if run.startswith("python3 -c ")]
+    assert runs.index(check) == install + 1
+    modules = set(re.findall(r"[\w.]+", shlex.split(check)[2].removeprefix("import ")))
+    assert modules >= {"eagle3_target.cli", "eagle3_target.server.app", "eagle3_target.runners.sglang"}
+    python = ROOT / ".venv-sglang" / "bin" / "python"
+    command = [str(python), *shlex.split(check)[1:]]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd="/", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    # A module that is not there fails it.
+    broken = subprocess.run(
+        [str(python), "-c", "import eagle3_target.runners.sglang_missing"], capture_output=True, cwd="/"
+    )
+    assert broken.returncode != 0
