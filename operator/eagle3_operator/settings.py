@@ -1,16 +1,16 @@
 """The operator's tunables and how they map onto kopf's settings."""
 
 import logging
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import kopf
 from eagle3_target.protocol import FIELD_MANAGER, GROUP
+from pydantic import TypeAdapter, ValidationError
 
 from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
 from eagle3_operator.render.server_image import DEFAULT_IMAGES, ServerImages
-from eagle3_operator.spec_pod_settings import LABEL_VALUE_PATTERN, check_label_key
+from eagle3_operator.spec_pod_settings import Labels
 
 # Project-prefixed names, so kopf's markers (should any ever be written) are recognisably ours.
 PERSISTENCE_PREFIX = GROUP
@@ -37,17 +37,22 @@ class OperatorConfig:
     pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
 
 
+_LABELS = TypeAdapter(Labels)
+
+
 def parse_labels(pairs: Iterable[str]) -> dict[str, str]:
-    """KEY=VALUE labels (--pod-monitor-label); ValueError naming the first that is not a label."""
+    """KEY=VALUE labels (--pod-monitor-label), checked as a spec's labels are; ValueError naming the first
+    that is not a label."""
     labels = {}
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals:
             raise ValueError(f"{pair!r} is not KEY=VALUE, e.g. release=kube-prometheus-stack")
-        check_label_key(key)
-        if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
-            raise ValueError(f"{pair!r}: {value!r} is not a label value (63 letters, digits, '-', '_', '.')")
-        labels[key] = value
+        try:
+            labels |= _LABELS.validate_python({key: value})
+        except ValidationError as error:
+            (first, *_) = error.errors()
+            raise ValueError(f"{pair!r}: {first.get('ctx', {}).get('error', first['msg'])}") from None
     return labels
 
 

@@ -29,8 +29,8 @@ from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
 from eagle3_operator.spec_model_source import HuggingFaceSource, ModelSource, ModelSpec, SecretKeyRef
 from eagle3_operator.spec_pod_settings import (
     EnvVar,
+    Labels,
     LabelSelector,
-    LabelValue,
     LocalObjectReference,
     PodMetadata,
     PodSecurity,
@@ -39,7 +39,6 @@ from eagle3_operator.spec_pod_settings import (
     TopologySpreadConstraint,
     Volume,
     VolumeMount,
-    check_label_key,
 )
 
 ENGINE_ARG_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -108,14 +107,7 @@ class PodMonitorSpec(SpecModel):
     enabled: bool = False
     interval: str = Field("30s", pattern=r"^([0-9]+(ms|s|m|h))+$")
     # What the cluster's Prometheus selects PodMonitors by (kube-prometheus-stack: release).
-    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
-
-    @field_validator("labels")
-    @classmethod
-    def _keys(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            check_label_key(key)
-        return value
+    labels: Labels = Field(default_factory=dict, max_length=32)
 
 
 class MonitoringSpec(SpecModel):

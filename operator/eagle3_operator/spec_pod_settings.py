@@ -10,7 +10,7 @@ the Deployment is applied.
 import re
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
 
 from eagle3_operator.constants import DEFAULT_CONTAINER_ANNOTATION, OPERATOR_LABEL_KEYS, OPERATOR_MOUNT_PATHS
 from eagle3_operator.spec_fields import DNSName, Quantity, SpecModel
@@ -29,16 +29,27 @@ QUALIFIED_NAME_PATTERN = (
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
 
 
-def check_label_key(key: str) -> str:
+def _check_label_key(key: str) -> str:
     """A label key a user may set on a child: a qualified name, not one of the operator's own."""
     if not re.match(QUALIFIED_NAME_PATTERN, key) or len(key) > 316:
         raise ValueError(f"key {key!r} is not a qualified name such as example.com/team")
     if key in OPERATOR_LABEL_KEYS:
         raise ValueError(f"key {key!r} is set by the operator")
     return key
+
+
+def _check_label_value(value: str) -> str:
+    if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
+        raise ValueError(f"{value!r} is not a label value (63 letters, digits, '-', '_', '.')")
+    return value
+
+
+# Labels a user may set on a child (the spec's, the operator's --pod-monitor-label): checked once, here.
+LabelKey = Annotated[str, AfterValidator(_check_label_key)]
+LabelValue = Annotated[str, AfterValidator(_check_label_value)]
+Labels = dict[LabelKey, LabelValue]
 
 
 class ResourceRequirements(SpecModel):
@@ -118,15 +129,8 @@ def _overlaps(path: str, other: str) -> bool:
 class PodMetadata(SpecModel):
     """Extra labels and annotations for the server pods (e.g. Kueue's queue name, a mesh opt-out)."""
 
-    labels: dict[str, LabelValue] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("labels")
-    @classmethod
-    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            check_label_key(key)
-        return value
 
     @field_validator("annotations")
     @classmethod
