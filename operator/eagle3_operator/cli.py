@@ -32,6 +32,7 @@ from eagle3_operator.constants import CRD_SCHEMA_VERSION
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.leader import LeaderElector
 from eagle3_operator.readiness import Readiness
+from eagle3_operator.render.network import Neighbours
 from eagle3_operator.render.server_image import DEFAULT_IMAGE, ServerImages, release_image
 from eagle3_operator.settings import OperatorConfig, needs_cluster_scanning, parse_labels
 
@@ -146,9 +147,7 @@ def run(
         api_timeout_seconds=api_timeout_seconds,
         scan_cluster=needs_cluster_scanning(namespace or []),
         server_images=ServerImages(default=server_image, sglang=sglang_server_image),
-        operator_namespace=operator_namespace,
-        prometheus_namespace=prometheus_namespace,
-        pod_monitor_labels=monitor_labels,
+        neighbours=Neighbours(operator_namespace, prometheus_namespace, monitor_labels),
     )
     lease_namespace = leader_election_namespace or operator_namespace or "default"
     election = (lease_namespace, leader_election_name) if leader_elect else None

@@ -30,7 +30,6 @@ from eagle3_operator.constants import (
 from eagle3_operator.indexes import TargetKey, TargetSnapshot, child_state, controlling_target
 from eagle3_operator.kube import KubeApi
 from eagle3_operator.reconciler import Reconciler
-from eagle3_operator.render.network import Neighbours
 from eagle3_operator.settings import OperatorConfig, configure
 from eagle3_operator.status.observe import pod_view
 
@@ -69,9 +68,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any)
         targets=kwargs["target_index"],
         children=[kwargs[f"{child.plural}_index"] for child in WATCHED_CHILD_KINDS],
         pods=kwargs["pod_index"],
-        neighbours=Neighbours(
-            config.operator_namespace, config.prometheus_namespace, config.pod_monitor_labels
-        ),
+        neighbours=config.neighbours,
         probe_interval=config.reprobe_seconds,
         server_images=config.server_images,
     )

@@ -1,14 +1,15 @@
 """The operator's tunables and how they map onto kopf's settings."""
 
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import kopf
 from eagle3_target.protocol import FIELD_MANAGER, GROUP
 from pydantic import TypeAdapter, ValidationError
 
 from eagle3_operator.constants import MANAGED_LABELS, POD_SELECTOR, WATCHED_CHILD_KINDS
+from eagle3_operator.render.network import Neighbours
 from eagle3_operator.render.server_image import DEFAULT_IMAGES, ServerImages
 from eagle3_operator.spec_pod_settings import Labels
 
@@ -30,11 +31,8 @@ class OperatorConfig:
     # kopf's cluster scanning: watch Namespaces (to match patterns) and CRDs (to notice new kinds). Off for a
     # list of exact namespaces, which kopf then serves as given, needing no cluster-wide reads.
     scan_cluster: bool = True
-    # Admitted by the targets' NetworkPolicies: the operator probes the data port, Prometheus scrapes metrics.
-    operator_namespace: str | None = None
-    prometheus_namespace: str | None = None
-    # On every PodMonitor, for the Prometheus that selects them by label (a target's own labels win).
-    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+    # What the targets' NetworkPolicies admit and their PodMonitors are labelled with.
+    neighbours: Neighbours = Neighbours()
 
 
 _LABELS = TypeAdapter(Labels)

@@ -3,6 +3,7 @@ PodMonitor on the metrics port, and the NetworkPolicy that admits exactly those 
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from eagle3_operator.constants import POD_MONITOR_API_VERSION
@@ -18,14 +19,18 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 @dataclass(frozen=True)
 class Neighbours:
-    """What the cluster around a target asks of its children, beyond its spec: the namespaces its
-    NetworkPolicy admits, the operator's (it probes the servers' data port) and Prometheus' (it scrapes the
-    metrics port; None: not known, not admitted), and the labels that Prometheus selects PodMonitors by
-    (the operator's --pod-monitor-label)."""
+    """What the cluster around a target asks of its children, beyond its spec (the operator's flags): the
+    namespaces its NetworkPolicy admits, the operator's (it probes the servers' data port) and Prometheus'
+    (it scrapes the metrics port; None: not known, not admitted), and the labels that Prometheus selects
+    PodMonitors by (--pod-monitor-label)."""
 
     operator_namespace: str | None = None
     prometheus_namespace: str | None = None
-    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+    # Kept read-only; left out of the hash (a mapping has none), so equal settings still hash alike.
+    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pod_monitor_labels", MappingProxyType(dict(self.pod_monitor_labels)))
 
 
 def service_url(name: str, namespace: str, spec: Eagle3TargetSpec) -> str:

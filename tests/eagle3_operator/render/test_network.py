@@ -79,6 +79,17 @@ def test_pod_monitor_labels_the_targets_own_over_the_operators_flag_and_the_sele
     )
 
 
+def test_neighbours_are_settled_once_made():
+    """The operator's flags, made once and shared by every pass: a caller's dict changed later does not
+    reach them, and they hash (a frozen value)."""
+    labels = {"release": "kube-prometheus-stack"}
+    neighbours = Neighbours("eagle3-system", "monitoring", labels)
+    labels["release"] = "other"
+    assert neighbours.pod_monitor_labels == {"release": "kube-prometheus-stack"}
+    assert hash(neighbours) == hash(Neighbours("eagle3-system", "monitoring", {"release": "x"}))
+    assert neighbours == Neighbours("eagle3-system", "monitoring", {"release": "kube-prometheus-stack"})
+
+
 NEIGHBOURS = Neighbours(operator_namespace="eagle3-system", prometheus_namespace="monitoring")
 
 
