@@ -49,6 +49,9 @@ WAKE_PENDING = Gauge(
     ["namespace", "target"],
 )
 
+# (namespace, target) -> condition type -> the reason its published series carries.
+SeriesReasons = dict[tuple[str, str], dict[str, str]]
+
 PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Suspended", "Idle")
 
 
@@ -65,9 +68,7 @@ class TargetSeries:
 
     def __init__(self, clock: Callable[[], datetime]) -> None:
         self._clock = clock
-        self._reasons: dict[
-            tuple[str, str], dict[str, str]
-        ] = {}  # (namespace, target) -> condition -> reason
+        self._reasons: SeriesReasons = {}
 
     def publish(
         self, key: tuple[str, str], conditions: Iterable[Mapping[str, str]], wake_since: datetime | None

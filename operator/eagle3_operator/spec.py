@@ -35,6 +35,7 @@ from eagle3_operator.spec_pod_settings import (
     PodMetadata,
     PodSecurity,
     ResourceRequirements,
+    ServerResources,
     Toleration,
     TopologySpreadConstraint,
     Volume,
@@ -160,7 +161,7 @@ class Eagle3TargetSpec(SpecModel):
     max_model_len: int | None = Field(None, ge=1)
     engine_args: dict[str, str] = Field(default_factory=dict)
     image: str | None = Field(None, min_length=1)
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    resources: ServerResources = Field(default_factory=ResourceRequirements)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from eagle3_operator.constants import HYDRATION_ENV, OPERATOR_ENV_PREFIX
 from eagle3_operator.spec_fields import DNSName, SpecModel
-from eagle3_operator.spec_pod_settings import EnvVar, ResourceRequirements
+from eagle3_operator.spec_pod_settings import DownloadResources, EnvVar
 
 HF_REPO_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$"
 HF_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)*$"
@@ -44,7 +44,7 @@ class HuggingFaceSource(SpecModel):
     cache_claim_name: DNSName
     # The download's reach (a mirror, a proxy) and size: not what is downloaded, so not the Job's name.
     env: list[EnvVar] = Field(default_factory=list, max_length=32)
-    resources: ResourceRequirements | None = None
+    resources: DownloadResources | None = None
 
     @field_validator("env")
     @classmethod

@@ -60,11 +60,29 @@ class ResourceRequirements(SpecModel):
     @classmethod
     def _quantities(cls, value: dict[str, str | int]) -> dict[str, str | int]:
         for name, quantity in value.items():
-            if name == GPU_RESOURCE:
-                raise ValueError(f"{GPU_RESOURCE} comes from tensorParallelSize; do not set it here")
             if not re.match(QUANTITY_PATTERN, str(quantity)):
                 raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity (e.g. 500m, 16Gi)")
         return value
+
+
+def _without_gpus(field: str, why: str) -> AfterValidator:
+    """Refuses GPUs in a field's resources, saying which field and where its GPUs come from instead."""
+
+    def check(resources: ResourceRequirements) -> ResourceRequirements:
+        if GPU_RESOURCE in {*resources.requests, *resources.limits}:
+            raise ValueError(f"{field} must not ask for {GPU_RESOURCE}; {why}")
+        return resources
+
+    return AfterValidator(check)
+
+
+# The server's resources (its GPU count is tensorParallelSize's) and the hydration Job's download's.
+ServerResources = Annotated[
+    ResourceRequirements, _without_gpus("resources", "it comes from tensorParallelSize")
+]
+DownloadResources = Annotated[
+    ResourceRequirements, _without_gpus("huggingFace.resources", "the download needs no GPU")
+]
 
 
 class Toleration(SpecModel):
@@ -80,7 +98,8 @@ class LocalObjectReference(SpecModel):
 
 
 class EnvVar(SpecModel):
-    """A core/v1 EnvVar for the server container; `valueFrom` is checked by the API server on the pod."""
+    """A core/v1 EnvVar for the server container (spec.env) or the download (huggingFace.env); `valueFrom` is
+    checked by the API server on the pod."""
 
     name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
     value: str | None = None

@@ -35,9 +35,11 @@ def pvc_spec(**extra: Any) -> dict[str, Any]:
 
 
 def nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside `X`, `X | None` or `list[X]`, if any."""
+    """The pydantic model inside `X`, `X | None` or `list[X]`, if any (X may be Annotated)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if typing.get_origin(annotation) is typing.Annotated:
+        return nested_model(typing.get_args(annotation)[0])
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) in (list, typing.Union):
         for argument in typing.get_args(annotation):
             found = nested_model(argument)
@@ -210,7 +212,22 @@ BAD_SPECS = {
     "odd engine arg": (pvc_spec(engineArgs={"--x y": "1"}), "must be a flag name"),
     "gpu in resources": (
         pvc_spec(resources={"limits": {"nvidia.com/gpu": 2}}),
-        "comes from tensorParallelSize",
+        "spec.resources: resources must not ask for nvidia.com/gpu; it comes from tensorParallelSize",
+    ),
+    "gpu for the download": (
+        {
+            "model": {
+                "name": "t",
+                "source": {
+                    "huggingFace": {
+                        "repo": "org/tiny",
+                        "cacheClaimName": "c",
+                        "resources": {"requests": {"nvidia.com/gpu": 1}},
+                    }
+                },
+            }
+        },
+        "huggingFace.resources must not ask for nvidia.com/gpu; the download needs no GPU",
     ),
     "bad quantity": (
         pvc_spec(resources={"requests": {"memory": "lots"}}),
