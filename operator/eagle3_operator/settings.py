@@ -41,7 +41,7 @@ _LABELS = TypeAdapter(Labels)
 def parse_labels(pairs: Iterable[str]) -> dict[str, str]:
     """KEY=VALUE labels (--pod-monitor-label), checked as a spec's labels are; ValueError naming the first
     that is not a label."""
-    labels = {}
+    labels: dict[str, str] = {}
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals:
