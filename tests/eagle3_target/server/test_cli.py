@@ -41,7 +41,8 @@ def test_an_unset_flag_leaves_the_environment_in_charge(monkeypatch):
 def test_help_shows_each_settings_variable_and_default():
     """`serve --help` says, per flag, the variable read when it is not given and the default."""
     shown = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
-    text = " ".join(re.sub("[│╭╮╰╯─]", " ", shown).split())
+    # Colour codes, where the environment asks rich for them (FORCE_COLOR), and the box drawing go.
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", re.sub(r"\x1b\[[0-9;]*m", "", shown)).split())
     params = [param for param in serve_command().params if param.name in ServerSettings.model_fields]
     starts = [text.index(f" {param.opts[0]} ") for param in params]  # rows in declaration order
     assert starts == sorted(starts)
