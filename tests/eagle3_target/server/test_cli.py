@@ -39,15 +39,16 @@ def test_an_unset_flag_leaves_the_environment_in_charge(monkeypatch):
 
 
 def test_help_shows_each_settings_variable_and_default():
-    """`serve --help` says, per flag, the variable read when it is not given and the default."""
-    shown = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}).output
-    # Colour codes, where the environment asks rich for them (FORCE_COLOR), and the box drawing go.
-    text = " ".join(re.sub("[│╭╮╰╯─]", " ", re.sub(r"\x1b\[[0-9;]*m", "", shown)).split())
-    params = [param for param in serve_command().params if param.name in ServerSettings.model_fields]
-    starts = [text.index(f" {param.opts[0]} ") for param in params]  # rows in declaration order
-    assert starts == sorted(starts)
-    for param, start, end in zip(params, starts, [*starts[1:], len(text)], strict=True):
-        row, field = text[start:end], ServerSettings.model_fields[param.name]
+    """`serve --help` says, per flag, the variable read when it is not given and the default. Each row is
+    read from the help record click renders, so the terminal's width and colours do not matter."""
+    command = serve_command()
+    ctx = command.make_context("serve", ["--model", "/m"])
+    params = [param for param in command.params if param.name in ServerSettings.model_fields]
+    assert len(params) == len(ServerSettings.model_fields)
+    for param in params:
+        record = param.get_help_record(ctx)
+        assert record is not None, param.name
+        row, field = record[1].replace("\\[", "["), ServerSettings.model_fields[param.name]
         assert f"[env var: EAGLE3_TARGET_{param.name.upper()}]" in row, row
         if field.is_required():
             assert "(required)" in row, row
@@ -57,4 +58,5 @@ def test_help_shows_each_settings_variable_and_default():
             assert "default: " in row, row  # the description says what an unset one means
         else:
             assert f"[default: {field.default}]" in row, row
-    assert "[default: vllm]" in text and "[default: 8000]" in text and "[default: 32768]" in text
+    shown = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"})
+    assert shown.exit_code == 0 and "--model" in re.sub(r"\x1b\[[0-9;]*m", "", shown.output)
