@@ -28,6 +28,15 @@ FIELD_MANAGER = "eagle3-operator"
 OCTET_STREAM = "application/octet-stream"
 
 
+class TransportName(StrEnum):
+    """How supervision leaves the server: an HTTP body (always on), a send over a two-rank process group per
+    client (NeMo's NCCL transport; gloo between CPUs), or a put into a Mooncake store the client reads."""
+
+    HTTP = "http"
+    NCCL = "nccl"
+    MOONCAKE = "mooncake"
+
+
 class TokenFileError(ValueError):
     """A bearer-token file that cannot be read or holds no token (the message never holds a token)."""
 

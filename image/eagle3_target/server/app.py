@@ -11,6 +11,7 @@ from eagle3_target.server.auth import BearerAuthMiddleware, TokenFile
 from eagle3_target.server.errors import install_error_handlers
 from eagle3_target.server.request_tracking import RequestTrackingMiddleware
 from eagle3_target.server.routes import native, nemo, probes
+from eagle3_target.server.service import SupervisionService
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.state import ServerState
 
@@ -30,6 +31,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     state = ServerState(settings)
     app = FastAPI(title="eagle3-target", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.state.supervision = SupervisionService(state)
     install_error_handlers(app)
     if settings.auth_token_file is not None:
         app.add_middleware(BearerAuthMiddleware, tokens=TokenFile(settings.auth_token_file))

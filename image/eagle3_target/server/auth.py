@@ -20,7 +20,8 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eagle3_target.protocol import TokenFileError, read_token_file
-from eagle3_target.server.errors import Unauthorized
+from eagle3_target.server.errors import refusal_response
+from eagle3_target.server.refusals import Unauthenticated
 from eagle3_target.server.routes.probes import AUTHENTICATED, PROBE_PATHS
 
 OPEN_PATHS = PROBE_PATHS | {"/v1/info"}
@@ -142,5 +143,5 @@ class BearerAuthMiddleware:
         if authenticated:
             await self.app(scope, receive, send)
             return
-        error = Unauthorized("missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        error = refusal_response(Unauthenticated("missing or wrong bearer token"))
+        await error(scope, receive, send)

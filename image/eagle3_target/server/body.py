@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from eagle3_target.server.errors import PayloadTooLarge
+from eagle3_target.server.refusals import TooLarge
 
 
 async def read_body_capped(request: Request, limit: int) -> bytearray:
@@ -19,10 +19,10 @@ async def read_body_capped(request: Request, limit: int) -> bytearray:
     """
     declared = None if "transfer-encoding" in request.headers else request.headers.get("content-length")
     if declared is not None and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise TooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():
         if len(body) + len(chunk) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            raise TooLarge(f"request body exceeds the limit of {limit} bytes")
         body += chunk
     return body

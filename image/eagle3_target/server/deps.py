@@ -1,6 +1,6 @@
-"""What routes ask FastAPI for: the server's state, the loaded target (503 until the model is loaded), for
-data routes, the count of the request in the server's activity (activity.py), and for routes that answer
-tensors, the hold on memory their answer takes (streaming.AnswerMemory)."""
+"""What routes ask FastAPI for: the server's state, the supervision service, the loaded target (503 until the
+model is loaded), for data routes, the count of the request in the server's activity (activity.py), and for
+routes that answer tensors, the hold on memory their answer takes (streaming.AnswerMemory)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from eagle3_target.server.activity import client_of
+from eagle3_target.server.service import SupervisionService
 from eagle3_target.server.state import ServerState
 from eagle3_target.server.streaming import AnswerHold
 from eagle3_target.server.target import LoadedTarget
@@ -28,6 +29,14 @@ async def loaded_target(state: StateDep) -> LoadedTarget:
 
 
 TargetDep = Annotated[LoadedTarget, Depends(loaded_target)]
+
+
+async def supervision_service(request: Request) -> SupervisionService:
+    service: SupervisionService = request.app.state.supervision
+    return service
+
+
+ServiceDep = Annotated[SupervisionService, Depends(supervision_service)]
 
 
 async def counted(request: Request, state: StateDep) -> AsyncIterator[None]:

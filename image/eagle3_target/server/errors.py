@@ -1,13 +1,14 @@
-"""The server's error contract: every failure is JSON ``{"error": {"type", "message"}}``.
+"""The server's HTTP error contract: every failure is JSON ``{"error": {"type", "message"}}``.
 
-Handlers raise an ``ApiError`` subclass; one exception handler renders it. Framework errors (unknown route,
-wrong method, FastAPI validation) and unexpected exceptions are rendered the same way, so a client never has
-to parse HTML or plain text.
+Handlers and the service below them raise a `refusals.Refused`; one exception handler gives it the HTTP status
+of its kind. Framework errors (unknown route, wrong method, FastAPI validation) and unexpected exceptions are
+rendered the same way, so a client never has to parse HTML or plain text.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,73 +16,53 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from eagle3_target.server.refusals import (
+    AnswerMemoryFull,
+    Busy,
+    ClientGone,
+    Invalid,
+    Malformed,
+    NotReady,
+    Refused,
+    TooLarge,
+    TooManyConnections,
+    TransportUnavailable,
+    Unauthenticated,
+    Unknown,
+)
+
 log = logging.getLogger(__name__)
 
-
-class ApiError(Exception):
-    """An error with an HTTP status and a stable machine-readable type."""
-
-    status = 500
-    type = "internal_error"
-
-    def __init__(
-        self, message: str, *, headers: dict[str, str] | None = None, details: dict[str, object] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.headers = headers or {}
-        self.details = details or {}
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.type, self.message, self.headers, self.details)
-
-
-class BadRequest(ApiError):
-    status, type = 400, "bad_request"
+# Each refusal's HTTP status. 499 (nginx's "client closed request") is for the access log and
+# ``eagle3_requests_total``, which would otherwise say 500: nobody reads the answer.
+HTTP_STATUS: dict[type[Refused], int] = {
+    Refused: 500,
+    Malformed: 400,
+    Unauthenticated: 401,
+    Unknown: 404,
+    TooLarge: 413,
+    Invalid: 422,
+    Busy: 429,
+    ClientGone: 499,
+    NotReady: 503,
+    AnswerMemoryFull: 503,
+    TooManyConnections: 503,
+    TransportUnavailable: 503,
+}
 
 
-class Unauthorized(ApiError):
-    status, type = 401, "unauthorized"
+def http_status(refused: Refused) -> int:
+    return HTTP_STATUS[type(refused)]
 
 
-class NotFound(ApiError):
-    status, type = 404, "not_found"
-
-
-class PayloadTooLarge(ApiError):
-    status, type = 413, "payload_too_large"
-
-
-class Unprocessable(ApiError):
-    status, type = 422, "invalid_input"
-
-
-class TooManyRequests(ApiError):
-    status, type = 429, "queue_full"
-
-
-class ClientClosedRequest(ApiError):
-    """The client closed the connection before its request was read or its answer computed (nginx's 499).
-    Nobody reads the answer; the status is there for the access log and ``eagle3_requests_total``, which
-    would otherwise say 500."""
-
-    status, type = 499, "client_closed_request"
-
-
-class NotReady(ApiError):
-    status, type = 503, "not_ready"
-
-
-class AnswerMemoryFull(ApiError):
-    """The answers in flight hold ``--max-response-bytes-in-flight`` already (streaming.AnswerMemory)."""
-
-    status, type = 503, "answer_memory_full"
-
-
-class TooManyConnections(ApiError):
-    """The server's connection cap is reached (http_protocol): sent by the protocol, not by a route."""
-
-    status, type = 503, "too_many_connections"
+def refusal_response(refused: Refused, headers: dict[str, str] | None = None) -> JSONResponse:
+    """``refused`` as its JSON error with its status, Retry-After when it passes, and ``headers``."""
+    sent = dict(headers or {})
+    if refused.retry_after_s is not None:
+        sent["retry-after"] = str(max(1, math.ceil(refused.retry_after_s)))
+    if isinstance(refused, Unauthenticated):
+        sent["www-authenticate"] = "Bearer"
+    return error_response(http_status(refused), refused.kind, refused.message, sent, refused.details)
 
 
 def error_response(
@@ -99,9 +80,9 @@ def error_response(
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception the app can raise into the JSON error shape."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    @app.exception_handler(Refused)
+    async def _refused(_request: Request, exc: Refused) -> JSONResponse:
+        return refusal_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -111,13 +92,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return Unprocessable(reasons).response()
+        return refusal_response(Invalid(reasons))
 
     @app.exception_handler(ClientDisconnect)
     async def _client_disconnect(_request: Request, _exc: ClientDisconnect) -> JSONResponse:
-        return ClientClosedRequest("the client closed the connection before its request was read").response()
+        return refusal_response(ClientGone("the client closed the connection before its request was read"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return ApiError(f"{type(exc).__name__}: {exc}").response()
+        return refusal_response(Refused(f"{type(exc).__name__}: {exc}"))

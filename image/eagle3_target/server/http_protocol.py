@@ -44,8 +44,9 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from eagle3_target.server.errors import ApiError, BadRequest, TooManyConnections
+from eagle3_target.server.errors import http_status, refusal_response
 from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.refusals import Malformed, Refused, TooManyConnections
 from eagle3_target.server.routes.probes import PROBE_PATHS
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,12 @@ MAX_BACKLOG = 2048
 SEND_CHECKS_PER_TIMEOUT = 4
 
 
-def error_bytes(error: ApiError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+def error_bytes(error: Refused, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """`error` as the app would render it, as a complete HTTP/1.1 response that closes the connection: for
     answers the protocol writes itself, before or instead of the app."""
-    response = error.response()
-    response.headers["connection"] = "close"
-    lines = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}".encode()]
+    response = refusal_response(error, {"connection": "close"})
+    status = http_status(error)
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}".encode()]
     lines += [name + b": " + value for name, value in [*default_headers, *response.raw_headers]]
     return b"\r\n".join(lines) + b"\r\n\r\n" + response.body
 
@@ -189,12 +190,13 @@ def probes_only(app: ASGI3Application, max_connections: int) -> ASGI3Application
     refusal = TooManyConnections(
         f"all {max_connections} connections are in use; only {', '.join(sorted(PROBE_PATHS))} are answered "
         "beyond them: retry later",
-        headers={"connection": "close", "retry-after": "1"},
+        retry_after_s=1,
     )
+    refused = refusal_response(refusal, {"connection": "close"})
 
     async def guarded(scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
         if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
-            await refusal.response()(scope, receive, send)  # type: ignore[arg-type]
+            await refused(scope, receive, send)  # type: ignore[arg-type]
             return
         await app(scope, receive, send)
 
@@ -232,7 +234,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         if self._pool is None:
             log.warning("connection from %s refused: every connection is busy", self._peer())
             refusal = TooManyConnections(
-                "the server's connections are all busy: retry later", headers={"retry-after": "1"}
+                "the server's connections are all busy: retry later", retry_after_s=1
             )
             transport.write(error_bytes(refusal, self.server_state.default_headers))
             transport.close()
@@ -291,7 +293,7 @@ class HardenedHttpProtocol(HttpToolsProtocol):
         self._stop_watching_sends()
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(error_bytes(BadRequest(msg), self.server_state.default_headers))
+        self.transport.write(error_bytes(Malformed(msg), self.server_state.default_headers))
         self.transport.close()
 
     def _went_idle(self) -> None:

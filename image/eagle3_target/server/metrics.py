@@ -40,7 +40,10 @@ class ServerMetrics:
             registry=r,
         )
         self.response_bytes = Counter(
-            "eagle3_response_bytes", "Supervision response body bytes by format.", ["format"], registry=r
+            "eagle3_response_bytes",
+            "Supervision answer bytes by format and by the transport they left over (http, nccl, mooncake).",
+            ["format", "transport"],
+            registry=r,
         )
         self.inflight = Gauge("eagle3_inflight_requests", "Requests being handled right now.", registry=r)
         self.answer_bytes_in_flight = Gauge(
@@ -69,10 +72,10 @@ class ServerMetrics:
         self.ready = Gauge("eagle3_ready", "1 once the model is loaded and the canary passed.", registry=r)
         self.model_info = Info("eagle3_model", "Identity of the served target model.", registry=r)
 
-    def count_response(self, format: str, *, tokens: int, size: int) -> None:
-        """One supervision answer (native `format`, or "nemo"): its tokens and body bytes."""
+    def count_response(self, format: str, *, tokens: int, size: int, transport: str) -> None:
+        """One supervision answer (native `format`, or "nemo"): its tokens, and its bytes by transport."""
         self.tokens.inc(tokens)
-        self.response_bytes.labels(format=format).inc(size)
+        self.response_bytes.labels(format=format, transport=transport).inc(size)
 
     def exposition(self) -> tuple[bytes, str]:
         """The Prometheus text body and its content type."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -15,7 +15,6 @@ from eagle3_target.protocol import LoadPhase
 from eagle3_target.runners import InvalidInput, ModelRefused
 from eagle3_target.server.activity import ActivityLog
 from eagle3_target.server.batching import EngineJob, EngineWorker, QueueFull, Tensors
-from eagle3_target.server.errors import ClientClosedRequest, NotReady, TooManyRequests, Unprocessable
 from eagle3_target.server.loading import (
     LoadFailed,
     LoadTracker,
@@ -24,6 +23,7 @@ from eagle3_target.server.loading import (
     write_termination_message,
 )
 from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.refusals import Busy, ClientGone, Invalid, NotReady
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.staging import HostOutputs
 from eagle3_target.server.streaming import AnswerMemory
@@ -101,7 +101,7 @@ class ServerState:
         details: dict[str, object] = {"loading": progress.model_dump(mode="json")}
         if progress.phase is LoadPhase.FAILED:
             raise NotReady(f"model failed to load: {progress.message}", details=details)
-        raise NotReady(f"model is loading: {progress.message}", headers={"Retry-After": "5"}, details=details)
+        raise NotReady(f"model is loading: {progress.message}", retry_after_s=5, details=details)
 
     def _engine_died(self, failure: str) -> None:
         line = one_line(f"the engine failed: {failure}; the server exits so that it is restarted")
@@ -120,39 +120,38 @@ class ServerState:
         record()
         self.on_failure()
 
-    async def run_on_engine(self, job: EngineJob, request: Request) -> Tensors:
-        """Queue ``job`` for the engine thread (429 when full) and await its own rows of the result, on the
-        host (a device-to-host copy still in flight is waited for on a pool thread, not the event loop).
+    async def run_on_engine(self, job: EngineJob, gone: Callable[[], Awaitable[None]]) -> Tensors:
+        """Queue ``job`` for the engine thread (`Busy` when full) and await its own rows of the result, on
+        the host (a device-to-host copy still in flight is waited for on a pool thread, not the event loop).
 
-        A client that disconnects while its job waits takes the job out of the queue (499): nobody would
-        read its answer. (``request``'s body must have been read: only then does receiving wait for the
-        disconnect.) The server validates first, but an engine can be stricter (vLLM's row length): what a
-        runner refuses as ``InvalidInput`` is the client's fault (422). Any other exception is the server's
-        and reaches the app's catch-all handler (500, traceback logged).
+        A client that leaves while its job waits (``gone()`` returns: `disconnected` for an HTTP request)
+        takes the job out of the queue (`ClientGone`): nobody would read its answer. The server validates
+        first, but an engine can be stricter (vLLM's row length): what a runner refuses as ``InvalidInput``
+        is the client's fault (`Invalid`). Any other exception is the server's and reaches the app's
+        catch-all handler (500, traceback logged).
         """
         try:
             future = self.worker.submit(job)
         except QueueFull as exc:
-            raise TooManyRequests(str(exc), headers={"Retry-After": "1"}) from exc
+            raise Busy(str(exc), retry_after_s=1) from exc
         computed = asyncio.wrap_future(future)
-        gone = asyncio.ensure_future(disconnected(request))
+        left = asyncio.ensure_future(gone())
         try:
-            await asyncio.wait((computed, gone), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((computed, left), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            gone.cancel()
+            left.cancel()
             computed.cancel()  # nothing once done; else the worker drops the job unless it has begun it
         if computed.cancelled():
-            raise ClientClosedRequest(
-                "the client closed the connection while its request waited for the engine"
-            )
+            raise ClientGone("the client closed the connection while its request waited for the engine")
         try:
             outputs: HostOutputs = computed.result()
         except InvalidInput as exc:
-            raise Unprocessable(f"the engine refused the batch: {exc}") from exc
+            raise Invalid(f"the engine refused the batch: {exc}") from exc
         return await run_in_threadpool(outputs.wait) if outputs.pending else outputs.tensors
 
 
 async def disconnected(request: Request) -> None:
-    """Returns once the client of ``request`` (whose body has been read) has gone."""
+    """Returns once the client of ``request`` has gone (its body must have been read: only then does
+    receiving wait for the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from eagle3_target.protocol import OCTET_STREAM
-from eagle3_target.server.errors import AnswerMemoryFull, PayloadTooLarge
 from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.refusals import AnswerMemoryFull, TooLarge
 from eagle3_target.wire import Payload
 
 # A stalled answer is let go within --response-send-timeout; most answers take far less.
@@ -83,7 +83,7 @@ class AnswerMemory:
     def refuse_oversized(self, nbytes: int, tokens: int) -> None:
         """413 before any compute when an answer would not fit the per-request limit."""
         if nbytes > self.answer_limit:
-            raise PayloadTooLarge(
+            raise TooLarge(
                 f"the answer for {tokens} tokens would be {nbytes} bytes, over this server's limit of "
                 f"{self.answer_limit} bytes per response (--max-response-bytes): send fewer tokens per "
                 "request",
@@ -99,7 +99,7 @@ class AnswerMemory:
             raise AnswerMemoryFull(
                 f"the answers in flight hold {self.held} bytes; this one's {nbytes} would pass the limit "
                 f"of {self.in_flight_limit} (--max-response-bytes-in-flight): retry shortly",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+                retry_after_s=RETRY_AFTER_SECONDS,
                 details={
                     "answer_bytes": nbytes,
                     "held_bytes": self.held,

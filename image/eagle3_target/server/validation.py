@@ -8,7 +8,7 @@ from torch import Tensor
 
 from eagle3_target.runners import InvalidInput, check_inputs
 from eagle3_target.server.batching import Tensors
-from eagle3_target.server.errors import PayloadTooLarge, Unprocessable
+from eagle3_target.server.refusals import Invalid, TooLarge
 
 
 def validate_token_batch(
@@ -23,17 +23,17 @@ def validate_token_batch(
     """Check a decoded request batch and return int64 tensors; 422 for bad input, 413 when too many tokens."""
     unexpected = sorted(set(tensors) - set(required) - set(optional))
     if unexpected:
-        raise Unprocessable(f"unexpected tensors {unexpected}; expected {list(required + optional)}")
+        raise Invalid(f"unexpected tensors {unexpected}; expected {list(required + optional)}")
     missing = [name for name in required if name not in tensors]
     if missing:
-        raise Unprocessable(f"missing required tensors {missing}")
+        raise Invalid(f"missing required tensors {missing}")
     input_ids = tensors["input_ids"]
     if input_ids.dtype not in (torch.int64, torch.int32):
-        raise Unprocessable(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+        raise Invalid(f"input_ids must be int64 or int32, got {input_ids.dtype}")
     if input_ids.dim() == 2 and input_ids.shape[1] > max_model_len:
-        raise Unprocessable(f"sequence length {input_ids.shape[1]} exceeds max-model-len {max_model_len}")
+        raise Invalid(f"sequence length {input_ids.shape[1]} exceeds max-model-len {max_model_len}")
     if input_ids.numel() > max_batch_tokens:
-        raise PayloadTooLarge(f"{input_ids.numel()} tokens exceed max-batch-tokens {max_batch_tokens}")
+        raise TooLarge(f"{input_ids.numel()} tokens exceed max-batch-tokens {max_batch_tokens}")
     try:
         ids, attention_mask = check_inputs(input_ids, tensors.get("attention_mask"), vocab_size)
         checked = {"input_ids": ids, "attention_mask": attention_mask}
@@ -41,7 +41,7 @@ def validate_token_batch(
             if name in tensors and name not in checked:
                 checked[name] = check_mask(name, tensors[name], ids)
     except InvalidInput as exc:
-        raise Unprocessable(str(exc)) from exc
+        raise Invalid(str(exc)) from exc
     return checked
 
 

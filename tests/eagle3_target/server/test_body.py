@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.errors import PayloadTooLarge
+from eagle3_target.server.refusals import TooLarge
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.wire import tensors as tensor_wire
 from starlette.requests import Request
@@ -55,9 +55,9 @@ def test_the_body_is_decoded_in_place_without_another_copy():
 
 
 def test_the_cap_holds_for_declared_and_streamed_lengths():
-    with pytest.raises(PayloadTooLarge, match="101 bytes"):
+    with pytest.raises(TooLarge, match="101 bytes"):
         asyncio.run(read_body_capped(request_streaming([b"x" * 101], 101), limit=100))
-    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 100 bytes"):
+    with pytest.raises(TooLarge, match="exceeds the limit of 100 bytes"):
         asyncio.run(read_body_capped(request_streaming([b"x" * 60, b"x" * 60]), limit=100))
 
 
@@ -66,7 +66,7 @@ def test_transfer_encoding_frames_the_body_not_content_length():
     chunked = request_streaming([b"abc", b""], content_length=99_999_999_999, transfer_encoding="chunked")
     assert asyncio.run(read_body_capped(chunked, limit=100)) == b"abc"
     oversized = request_streaming([b"x" * 60, b"x" * 60], content_length=10, transfer_encoding="chunked")
-    with pytest.raises(PayloadTooLarge, match="exceeds the limit of 100 bytes"):
+    with pytest.raises(TooLarge, match="exceeds the limit of 100 bytes"):
         asyncio.run(read_body_capped(oversized, limit=100))
 
 

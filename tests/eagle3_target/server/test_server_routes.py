@@ -203,7 +203,7 @@ def test_metrics_parse_and_move(server):
     requests_key = ("eagle3_requests_total", (("code", "200"), ("route", "/v1/supervision")))
     assert after[requests_key] == before.get(requests_key, 0) + 1
     assert after[("eagle3_tokens_total", ())] == before[("eagle3_tokens_total", ())] + 30
-    bytes_key = ("eagle3_response_bytes_total", (("format", "hidden"),))
+    bytes_key = ("eagle3_response_bytes_total", (("format", "hidden"), ("transport", "http")))
     assert after[bytes_key] == before.get(bytes_key, 0) + len(response.content)
     count_key = ("eagle3_request_duration_seconds_count", (("route", "/v1/supervision"),))
     assert after[count_key] == before.get(count_key, 0) + 1

@@ -13,12 +13,11 @@ import torch
 from eagle3_target.runners import InvalidInput
 from eagle3_target.server.app import create_app
 from eagle3_target.server.batching import EngineJob
-from eagle3_target.server.errors import TooManyRequests, Unprocessable
+from eagle3_target.server.errors import http_status
+from eagle3_target.server.refusals import Busy, Invalid
 from eagle3_target.server.settings import ServerSettings
 from eagle3_target.server.state import ServerState
 from eagle3_target.wire import tensors as tensor_wire
-from starlette.requests import Request
-from starlette.types import Message
 
 from support.cluster.waiting import eventually
 from support.engine_jobs import Blocker
@@ -26,14 +25,9 @@ from support.server_process import connect, serve_in_thread
 from support.supervision import metric_samples
 
 
-def staying_request() -> Request:
-    """A request whose body has been read and whose client stays until it is answered."""
-
-    async def receive() -> Message:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+async def staying() -> None:
+    """A client that stays until it is answered."""
+    await asyncio.Event().wait()
 
 
 def test_only_invalid_input_from_the_engine_is_a_client_error():
@@ -50,12 +44,10 @@ def test_only_invalid_input_from_the_engine_is_a_client_error():
 
     state.worker.start()
     try:
-        with pytest.raises(Unprocessable, match="row has 9 tokens"):
-            asyncio.run(state.run_on_engine(raising(InvalidInput("a row has 9 tokens")), staying_request()))
+        with pytest.raises(Invalid, match="row has 9 tokens"):
+            asyncio.run(state.run_on_engine(raising(InvalidInput("a row has 9 tokens")), staying))
         with pytest.raises(ValueError, match="shape mismatch"):
-            asyncio.run(
-                state.run_on_engine(raising(ValueError("internal shape mismatch")), staying_request())
-            )
+            asyncio.run(state.run_on_engine(raising(ValueError("internal shape mismatch")), staying))
     finally:
         state.worker.stop()
 
@@ -64,10 +56,10 @@ def test_a_full_queue_is_429_with_retry_after():
     state = ServerState(ServerSettings(model="unused", max_queue=1))
     inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.int64)}
     state.worker.submit(EngineJob(batch_key="k", inputs=inputs, compute=dict))  # the worker is not running
-    with pytest.raises(TooManyRequests, match="1 requests waiting") as excinfo:
+    with pytest.raises(Busy, match="1 requests waiting") as excinfo:
         job = EngineJob(batch_key="k", inputs=inputs, compute=dict)
-        asyncio.run(state.run_on_engine(job, staying_request()))
-    assert (excinfo.value.status, excinfo.value.headers) == (429, {"Retry-After": "1"})
+        asyncio.run(state.run_on_engine(job, staying))
+    assert (http_status(excinfo.value), excinfo.value.retry_after_s) == (429, 1)
 
 
 @pytest.fixture(scope="module")

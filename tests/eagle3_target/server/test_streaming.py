@@ -17,8 +17,8 @@ import safetensors.torch
 import torch
 from eagle3_target.contract import VocabMapping
 from eagle3_target.protocol import FORMATS, WEIGHT_NAMES
-from eagle3_target.server.errors import AnswerMemoryFull, PayloadTooLarge
 from eagle3_target.server.metrics import ServerMetrics
+from eagle3_target.server.refusals import AnswerMemoryFull, TooLarge
 from eagle3_target.server.streaming import AnswerMemory
 from eagle3_target.tiny import write_tiny_model
 from eagle3_target.wire import nemo as nemo_wire
@@ -299,7 +299,7 @@ def test_a_lone_answer_always_fits_and_every_hold_is_given_back():
     answers in flight; one over the per-request cap is 413 and holds nothing."""
     memory = AnswerMemory(answer_limit=150, in_flight_limit=100, metrics=ServerMetrics())
     with memory.request() as oversized:
-        with pytest.raises(PayloadTooLarge):
+        with pytest.raises(TooLarge):
             oversized.take_answer(151, tokens=1)
         assert memory.held == 0
     with memory.request() as big:

@@ -16,14 +16,15 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from eagle3_target.contract import VocabMapping
-from eagle3_target.server.batching import EngineJob, Tensors
+from eagle3_target.protocol import TransportName
+from eagle3_target.server.batching import Tensors
 from eagle3_target.server.body import read_body_capped
-from eagle3_target.server.computations import held_weight, nemo_answer_bytes, nemo_generate_compute
-from eagle3_target.server.deps import AnswerDep, Counted, StateDep, TargetDep
-from eagle3_target.server.errors import BadRequest, NotFound, Unprocessable
+from eagle3_target.server.computations import held_weight
+from eagle3_target.server.deps import AnswerDep, Counted, ServiceDep, StateDep, TargetDep
+from eagle3_target.server.refusals import Invalid, Malformed, Unknown
 from eagle3_target.server.settings import mapping_body_limit
+from eagle3_target.server.state import disconnected
 from eagle3_target.server.streaming import PayloadResponse
-from eagle3_target.server.validation import validate_token_batch
 from eagle3_target.server.vocab_store import UnboundConnection
 from eagle3_target.wire import nemo as nemo_wire
 
@@ -39,10 +40,10 @@ def decode_nemo_wire(body: bytearray, limit: int) -> Tensors:
     try:
         tensors = nemo_wire.decode(body, max_total_bytes=limit)
     except ValueError as exc:
-        raise BadRequest(f"body is not a valid NeMo wire buffer: {exc}") from exc
+        raise Malformed(f"body is not a valid NeMo wire buffer: {exc}") from exc
     nones = sorted(name for name, tensor in tensors.items() if tensor is None)
     if nones:
-        raise Unprocessable(f"tensors {nones} are None")
+        raise Invalid(f"tensors {nones} are None")
     return {name: tensor for name, tensor in tensors.items() if tensor is not None}
 
 
@@ -61,7 +62,7 @@ def own_connection(request: Request) -> tuple[str, int]:
     proxied request is refused rather than answered with someone else's vocabulary."""
     proxied = [name for name in request.headers if name in PROXY_HEADERS or name.startswith("x-envoy-")]
     if proxied:
-        raise BadRequest(
+        raise Malformed(
             f"NeMo vocab mappings are bound to the client's own connection, and this request came through"
             f" an HTTP proxy ({', '.join(sorted(proxied))}), which shares connections between clients:"
             " reach the server directly (its pod IP or a headless Service, outside any mesh sidecar), or"
@@ -99,15 +100,15 @@ async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep
         tensors = decode_nemo_wire(body, limit)
         missing = {"selected_token_ids", "selected_token_mask"} - set(tensors)
         if missing:
-            raise Unprocessable(f"missing tensors {sorted(missing)}")
+            raise Invalid(f"missing tensors {sorted(missing)}")
         mask = tensors["selected_token_mask"]
         if mask.numel() != target.info.vocab_size:
             vocab = target.info.vocab_size
-            raise Unprocessable(f"selected_token_mask has {mask.numel()} entries, target vocab {vocab}")
+            raise Invalid(f"selected_token_mask has {mask.numel()} entries, target vocab {vocab}")
         try:
             return VocabMapping(tensors["selected_token_ids"], mask).to(target.device)
         except ValueError as exc:
-            raise Unprocessable(str(exc)) from exc
+            raise Invalid(str(exc)) from exc
 
     mapping = await run_in_threadpool(build)
     mapping_id = mapping.digest()
@@ -118,36 +119,21 @@ async def set_vocab_mapping(request: Request, state: StateDep, target: TargetDep
 
 
 @router.post("/generate", dependencies=[Counted])
-async def generate(request: Request, state: StateDep, target: TargetDep, answer: AnswerDep) -> Response:
+async def generate(
+    request: Request, state: StateDep, service: ServiceDep, target: TargetDep, answer: AnswerDep
+) -> Response:
     try:
         mapping_id = state.nemo_bindings.resolve(*own_connection(request))
     except UnboundConnection as exc:
-        raise NotFound(str(exc)) from exc
-    mapping = state.mappings.get(mapping_id)
-    if mapping is None:
-        raise NotFound(f"vocab mapping {mapping_id} was evicted: POST /set_vocab_mapping again")
-    body = await read_body_capped(request, state.settings.token_body_limit)
-
-    def decode() -> Tensors:
-        return validate_token_batch(
-            decode_nemo_wire(body, state.settings.token_body_limit),
-            required=("input_ids", "attention_mask", "loss_mask"),
-            optional=(),
-            vocab_size=target.info.vocab_size,
-            max_model_len=target.info.max_model_len,
-            max_batch_tokens=state.settings.max_batch_tokens,
-        )
-
-    inputs = await run_in_threadpool(decode)
-    tokens = inputs["input_ids"].numel()
-    answer_bytes = nemo_answer_bytes(target, tokens, mapping)
-    answer.take_answer(answer_bytes, tokens)
-    job = EngineJob(
-        batch_key=("nemo", mapping_id), inputs=inputs, compute=nemo_generate_compute(target, mapping)
+        raise Unknown(str(exc)) from exc
+    plan = service.nemo_plan(target, mapping_id)
+    limit = state.settings.token_body_limit
+    body = await read_body_capped(request, limit)
+    answer_ = await service.supervise(
+        target, plan, lambda: decode_nemo_wire(body, limit), answer, lambda: disconnected(request)
     )
-    outputs = await state.run_on_engine(job, request)
-    payload = await run_in_threadpool(nemo_wire.encode_payload, outputs)
-    state.metrics.count_response("nemo", tokens=job.tokens, size=payload.nbytes)
+    payload = await run_in_threadpool(nemo_wire.encode_payload, answer_.tensors)
+    service.delivered(answer_, payload.nbytes, TransportName.HTTP)
     return PayloadResponse(payload)
 
 
