@@ -1,5 +1,6 @@
 """The client's HTTP/1.1 transport: keep-alive connections per endpoint, bodies read from the socket straight
-into one buffer.
+into one buffer, and each answer told in the server's terms (`Refusal`), so the session above it never reads
+an HTTP status.
 
 A target ships 1-2 GB/s of supervision per GPU. httpx (through h11) hands a body over in 64 KiB pieces, each
 copied two or three times on its way (into h11's buffer, out of it, into the caller's), which costs a trainer
@@ -10,9 +11,12 @@ kernel into the caller's buffer, so a body costs the one copy the kernel makes. 
 
 from __future__ import annotations
 
+import email.utils
 import http.client
+import json
 import queue
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Mapping
@@ -29,14 +33,31 @@ class TransportError(Exception):
     """No complete answer came back (refused, reset, timed out, or a body cut short): try again elsewhere."""
 
 
+# The statuses of refusals that pass (a full queue, a loading model, memory or connections in use).
+RETRYABLE_STATUS = (429, 503)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an endpoint did not answer, as the server said it (its ``refusals.Refused``): the kind clients
+    branch on, its message, whether it passes (and when to come back), and the HTTP status it came with."""
+
+    kind: str
+    message: str
+    retryable: bool
+    retry_after_s: float | None
+    status_code: int
+
+
 @dataclass(frozen=True)
 class Reply:
-    """One endpoint's whole answer: status, headers (names in lower case) and the body in one buffer."""
+    """One endpoint's whole answer: the body in one buffer, headers (names in lower case), and the
+    `Refusal` when it is an error."""
 
     url: str
-    status_code: int
     headers: Mapping[str, str]
     body: memoryview
+    refusal: Refusal | None
 
 
 class BodyBuffers:
@@ -165,7 +186,7 @@ class Transport:
             else:
                 self._give(key, connection)
             headers_seen = {name.lower(): value for name, value in response.getheaders()}
-            return Reply(url + query, response.status, headers_seen, body)
+            return Reply(url + query, headers_seen, body, refusal_of(response.status, headers_seen, body))
 
     def close(self) -> None:
         with self._lock:
@@ -200,3 +221,30 @@ class Transport:
                 pool.append(connection)
                 return
         connection.close()
+
+
+def refusal_of(status: int, headers: Mapping[str, str], body: memoryview) -> Refusal | None:
+    """The server's error (``{"error": {"type", "message"}}``) of a non-2xx answer, None for a 2xx one."""
+    if status < 400:
+        return None
+    try:
+        error = json.loads(bytes(body))["error"]
+        kind, message = str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        kind, message = "http_error", bytes(body[:200]).decode("utf-8", "replace")
+    retry_after = retry_after_s(headers.get("retry-after"))
+    return Refusal(kind, message, status in RETRYABLE_STATUS, retry_after, status)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Retry-After as seconds (delta-seconds or an HTTP date), or None when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None

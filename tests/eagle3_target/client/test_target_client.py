@@ -10,7 +10,6 @@ import httpx
 import pytest
 import torch
 from eagle3_target.client import FingerprintChanged, RequestRejected, TargetClient, TargetUnavailable
-from eagle3_target.client.target_client import _retry_after_s
 from eagle3_target.contract import Eagle3TargetBatch, VocabMapping, build_batch
 from eagle3_target.runners.hf import HFRunner
 from eagle3_target.wire.tensors import encode
@@ -334,22 +333,6 @@ def endpoint(url: str) -> dict:
 def llama_server_fingerprint(server) -> str:
     headers = {"Authorization": f"Bearer {AUTH_TOKEN}"}
     return httpx.get(server.url + "/v1/info", headers=headers, timeout=10).json()["fingerprint"]
-
-
-@pytest.mark.parametrize(
-    ("header", "seconds"),
-    [
-        ("3", 3.0),
-        ("0.5", 0.5),
-        ("-2", 0.0),
-        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),
-        ("soon", None),
-        (None, None),
-    ],
-)
-def test_retry_after_header_is_read_as_seconds(header, seconds):
-    headers = {} if header is None else {"Retry-After": header}
-    assert _retry_after_s(httpx.Response(429, headers=headers)) == seconds
 
 
 class FaultyRelay:

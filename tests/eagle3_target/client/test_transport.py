@@ -13,7 +13,7 @@ from collections import deque
 
 import pytest
 import torch
-from eagle3_target.client.transport import BodyBuffers, Transport, TransportError
+from eagle3_target.client.transport import BodyBuffers, Refusal, Transport, TransportError, retry_after_s
 from eagle3_target.wire.tensors import decode
 
 from support.cluster.waiting import LOOPBACK, free_port
@@ -122,7 +122,7 @@ def test_a_body_the_collector_frees_inside_take_never_deadlocks_the_pool(llama_s
     transport.buffers = BodyBuffers(min_bytes=0)  # the 64 KiB weight pooled like a large batch
     held: deque[dict[str, torch.Tensor]] = deque()
     draw = random.Random(0)
-    fetched: list[int] = []
+    fetched: list[Refusal | None] = []
 
     def collector(phase: str, info: dict) -> None:
         if phase == "start" and threading.current_thread() is worker and held and draw.random() < 1 / 200:
@@ -132,7 +132,7 @@ def test_a_body_the_collector_frees_inside_take_never_deadlocks_the_pool(llama_s
         for _ in range(3000):
             reply = transport.request("GET", llama_server.url + "/v1/weights/lm_head")
             held.append(decode(reply.body)[0])
-            fetched.append(reply.status_code)
+            fetched.append(reply.refusal)
 
     worker = threading.Thread(target=fetch, daemon=True)
     thresholds = gc.get_threshold()
@@ -148,4 +148,19 @@ def test_a_body_the_collector_frees_inside_take_never_deadlocks_the_pool(llama_s
         gc.set_threshold(*thresholds)
         gc.callbacks.remove(collector)
     transport.close()
-    assert fetched == [200] * 3000
+    assert fetched == [None] * 3000
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("3", 3.0),
+        ("0.5", 0.5),
+        ("-2", 0.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),
+        ("soon", None),
+        (None, None),
+    ],
+)
+def test_retry_after_header_is_read_as_seconds(header, seconds):
+    assert retry_after_s(header) == seconds
